@@ -1,0 +1,33 @@
+"""asyncpin: a pinned host-memory tier for LLM KV caches, embedded in async servers."""
+
+from asyncpin.backends import HostBackend, PinBackend
+from asyncpin.errors import (
+    AsyncpinError,
+    BackendCallError,
+    BackendUnavailableError,
+    ConfigError,
+    PinError,
+    PreflightError,
+    RegionNotFoundError,
+    TransferError,
+)
+from asyncpin.manager import DEFAULT_CHUNK_BYTES, ManagerState, ManagerStats, OffloadManager
+from asyncpin.pinning import ChunkState
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "AsyncpinError",
+    "BackendCallError",
+    "BackendUnavailableError",
+    "ChunkState",
+    "ConfigError",
+    "HostBackend",
+    "ManagerState",
+    "ManagerStats",
+    "OffloadManager",
+    "PinBackend",
+    "PinError",
+    "PreflightError",
+    "RegionNotFoundError",
+    "TransferError",
+]

@@ -1,0 +1,106 @@
+"""Backends: the platform calls that pin and unpin host memory.
+
+The pin scheduler calls a backend from worker threads, one chunk per call. A backend
+raises :class:`~asyncpin.errors.BackendCallError` for a failed call; the scheduler maps it
+to a :class:`~asyncpin.errors.PinError` naming the chunk. ``cuda`` is imported lazily so
+that a machine with no GPU never initialises CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from asyncpin import _sys
+from asyncpin.errors import BackendCallError, BackendUnavailableError, ConfigError, PreflightError
+
+__all__ = ["BACKEND_NAMES", "HostBackend", "PinBackend", "cuda_available", "resolve_backend"]
+
+BACKEND_NAMES = ("auto", "host", "cuda")
+
+
+@runtime_checkable
+class PinBackend(Protocol):
+    """What the pin scheduler needs from a platform. Calls come from worker threads."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def max_pin_bytes(self) -> int:
+        """The largest span one :meth:`pin` call may take; chunks are cut to fit."""
+        ...
+
+    def preflight(self, nbytes: int) -> None:
+        """Raise PreflightError if pinning ``nbytes`` more cannot succeed; map nothing."""
+        ...
+
+    def pin(self, address: int, nbytes: int) -> None: ...
+
+    def unpin(self, address: int, nbytes: int) -> None: ...
+
+
+class HostBackend:
+    """Pins with ``mlock``/``munlock``: a real pin, bounded by RLIMIT_MEMLOCK unless the
+    process holds CAP_IPC_LOCK. For machines with no GPU."""
+
+    __slots__ = ()
+    name = "host"
+    max_pin_bytes = 1 << 62
+
+    def preflight(self, nbytes: int) -> None:
+        limit = _sys.memlock_limit_bytes()
+        if limit is None or _sys.has_cap_ipc_lock():
+            return
+        locked = _sys.vm_locked_bytes()
+        if locked + nbytes > limit:
+            raise PreflightError(
+                "memlock",
+                nbytes,
+                max(limit - locked, 0),
+                f"RLIMIT_MEMLOCK is {limit} bytes with {locked} already locked; raise it "
+                "(`ulimit -l unlimited`, LimitMEMLOCK=infinity in a systemd unit, "
+                "`--ulimit memlock=-1` for docker, or /etc/security/limits.conf), "
+                "grant CAP_IPC_LOCK, or ask for a smaller buffer",
+            )
+
+    def pin(self, address: int, nbytes: int) -> None:
+        try:
+            _sys.libc_mlock(address, nbytes)
+        except _sys.LibcError as exc:
+            raise BackendCallError("mlock", exc.errno or 0, exc.code_name, str(exc)) from exc
+
+    def unpin(self, address: int, nbytes: int) -> None:
+        try:
+            _sys.libc_munlock(address, nbytes)
+        except _sys.LibcError as exc:
+            raise BackendCallError("munlock", exc.errno or 0, exc.code_name, str(exc)) from exc
+
+    def __repr__(self) -> str:
+        return "<HostBackend mlock>"
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def resolve_backend(backend: str | PinBackend, device: int | None = None) -> PinBackend:
+    """Turn a name (``auto``, ``host``, ``cuda``) or a backend instance into a backend."""
+    if not isinstance(backend, str):
+        if not isinstance(backend, PinBackend):
+            raise ConfigError(f"backend {backend!r} does not implement PinBackend")
+        return backend
+    if backend == "auto":
+        backend = "cuda" if cuda_available() else "host"
+    if backend == "host":
+        return HostBackend()
+    if backend == "cuda":
+        if not cuda_available():
+            raise BackendUnavailableError("cuda", "torch.cuda.is_available() is False")
+        from asyncpin.cuda import CudaBackend
+
+        return CudaBackend(device)
+    raise ConfigError(f"unknown backend {backend!r}: use one of {', '.join(BACKEND_NAMES)}")

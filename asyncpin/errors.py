@@ -1,0 +1,110 @@
+"""The exception family of asyncpin.
+
+Every error subclasses :class:`AsyncpinError` and the closest builtin, and carries
+the fields a caller needs to act on it. Use after close raises anyio's
+``ClosedResourceError`` instead (it is not an asyncpin error: the caller closed it).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AsyncpinError",
+    "BackendCallError",
+    "BackendUnavailableError",
+    "ConfigError",
+    "PinError",
+    "PreflightError",
+    "RegionNotFoundError",
+    "TransferError",
+]
+
+
+class AsyncpinError(Exception):
+    """Base of every error asyncpin raises."""
+
+
+class ConfigError(AsyncpinError, ValueError):
+    """An argument is out of range or of the wrong kind; nothing was mapped or pinned."""
+
+
+class PreflightError(AsyncpinError, OSError):
+    """A check before mapping found the machine cannot serve the request.
+
+    ``check`` names the check (``memlock``, ``memory``, ``shm``...), ``needed`` and
+    ``available`` are in bytes, and the message says what to change.
+    """
+
+    def __init__(self, check: str, needed: int, available: int, fix: str) -> None:
+        self.check = check
+        self.needed = needed
+        self.available = available
+        self.fix = fix
+        super().__init__(
+            f"pre-flight check {check!r} failed: {needed} bytes needed, "
+            f"{available} bytes available; {fix}"
+        )
+
+
+class RegionNotFoundError(AsyncpinError, FileNotFoundError):
+    """Attaching to a shared region by a name that no process has created."""
+
+    def __init__(self, name: str, path: str) -> None:
+        self.name = name
+        self.path = path
+        super().__init__(f"no shared region named {name!r} ({path} does not exist)")
+
+
+class BackendUnavailableError(AsyncpinError, RuntimeError):
+    """The backend asked for cannot run on this machine (no GPU, no CUDA runtime...)."""
+
+    def __init__(self, backend: str, reason: str) -> None:
+        self.backend = backend
+        self.reason = reason
+        super().__init__(f"backend {backend!r} is unavailable: {reason}")
+
+
+class BackendCallError(AsyncpinError, OSError):
+    """One call into the platform (mlock, cudaHostRegister...) returned an error.
+
+    ``code`` is the errno or CUDA error number, ``code_name`` its symbolic name.
+    """
+
+    def __init__(self, op: str, code: int, code_name: str, detail: str) -> None:
+        self.op = op
+        self.code = code
+        self.code_name = code_name
+        self.detail = detail
+        super().__init__(f"{op} failed with {code_name} ({code}): {detail}")
+
+
+class PinError(AsyncpinError, RuntimeError):
+    """Pinning a chunk of the host region failed; the cause is chained.
+
+    ``chunk_index``, ``offset`` and ``nbytes`` locate the chunk inside the region;
+    ``code`` and ``code_name`` come from the failing platform call when there was one.
+    """
+
+    def __init__(
+        self,
+        chunk_index: int,
+        offset: int,
+        nbytes: int,
+        code: int | None,
+        code_name: str | None,
+        reason: str,
+    ) -> None:
+        self.chunk_index = chunk_index
+        self.offset = offset
+        self.nbytes = nbytes
+        self.code = code
+        self.code_name = code_name
+        self.reason = reason
+        code_part = f" [{code_name} ({code})]" if code_name is not None else ""
+        super().__init__(
+            f"pinning chunk {chunk_index} (offset {offset}, {nbytes} bytes) failed"
+            f"{code_part}: {reason}"
+        )
+
+
+class TransferError(AsyncpinError, RuntimeError):
+    """A KV block transfer was refused or failed on the device."""

@@ -1,0 +1,325 @@
+"""The pin pipeline: chunks → prefault → pin, in worker threads, with a pause gate.
+
+Two stages run as anyio tasks that hand each blocking call to a worker thread through
+``anyio.to_thread.run_sync`` with their own capacity limiters (so the application's
+default thread pool stays free). Chunk state changes happen inside the thread call
+itself, so a chunk whose pin returned is recorded as pinned even if the awaiting task is
+cancelled at that moment: close then knows exactly what to unpin.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import math
+import threading
+import time
+from collections.abc import Iterator
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.to_thread
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from asyncpin.errors import BackendCallError, PinError
+from asyncpin.region import Chunk, HostRegion
+
+if TYPE_CHECKING:
+    from asyncpin.backends import PinBackend
+
+__all__ = ["ChunkState", "PauseGate", "PinScheduler", "PinnedSignal"]
+
+
+class ChunkState(enum.Enum):
+    PENDING = "pending"
+    PREFAULTED = "prefaulted"
+    PINNED = "pinned"
+    FAILED = "failed"
+    UNPINNED = "unpinned"
+    LEAKED = "leaked"
+
+
+class PauseGate:
+    """Keeps pin/unpin calls apart from code that must not overlap them.
+
+    ``paused()`` waits for the pin call in flight to return and holds new ones until it
+    exits. Usable from any thread (``with``) or from async code (``async with``, which
+    waits in a worker thread so the event loop is never blocked). Reentrant and counted:
+    pins resume when the last holder leaves.
+    """
+
+    __slots__ = ("_cond", "_holders", "_in_flight")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._holders = 0
+        self._in_flight = 0
+
+    def hold(self) -> None:
+        with self._cond:
+            self._holders += 1
+            while self._in_flight:
+                self._cond.wait()
+
+    def unhold(self) -> None:
+        with self._cond:
+            if self._holders <= 0:
+                raise RuntimeError("pause gate released more often than held")
+            self._holders -= 1
+            self._cond.notify_all()
+
+    def enter_call(self, abort: threading.Event | None = None) -> bool:
+        """Block while paused; False if ``abort`` was set while waiting (no call made)."""
+        with self._cond:
+            while self._holders and not (abort is not None and abort.is_set()):
+                self._cond.wait()
+            if abort is not None and abort.is_set():
+                return False
+            self._in_flight += 1
+            return True
+
+    def exit_call(self) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Wake waiters so they re-check their abort flag."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def is_paused(self) -> bool:
+        return self._holders > 0
+
+    def paused(self) -> PausedContext:
+        return PausedContext(self)
+
+
+class PausedContext:
+    """``with`` / ``async with`` form of :meth:`PauseGate.paused`."""
+
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate: PauseGate) -> None:
+        self._gate = gate
+
+    def __enter__(self) -> None:
+        self._gate.hold()
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._gate.unhold()
+
+    async def __aenter__(self) -> None:
+        await anyio.to_thread.run_sync(self._gate.hold)
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._gate.unhold()
+
+
+class PinnedSignal:
+    """Awaitable readiness: completes when every chunk is pinned, raises if that failed.
+
+    ``await mgr.pinned`` and ``await mgr.pinned.wait()`` are the same. On failure it raises
+    the :class:`PinError`; if the manager closed first it raises ``ClosedResourceError``.
+    """
+
+    __slots__ = ("_error", "_event")
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+        self._error: BaseException | None = None
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def succeeded(self) -> bool:
+        return self._event.is_set() and self._error is None
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def resolve(self, error: BaseException | None = None) -> None:
+        if not self._event.is_set():
+            self._error = error
+            self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        if self._error is not None:
+            raise self._error
+
+    def __await__(self):  # type: ignore[no-untyped-def]
+        return self.wait().__await__()
+
+
+class PinScheduler:
+    """Runs the pipeline for one region; :meth:`stop` ends it at the next chunk boundary."""
+
+    def __init__(
+        self,
+        region: HostRegion,
+        backend: PinBackend,
+        chunks: list[Chunk],
+        *,
+        prefault_threads: int,
+        pin_threads: int,
+        pin_interval_s: float,
+        gate: PauseGate,
+    ) -> None:
+        self.region = region
+        self.backend = backend
+        self.chunks = chunks
+        self.gate = gate
+        self._prefault_threads = prefault_threads
+        self._pin_threads = pin_threads
+        self._pin_interval_s = pin_interval_s
+        self._states = [ChunkState.PENDING] * len(chunks)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._next = 0
+        self.pinned_bytes = 0
+        self.chunks_pinned = 0
+        self.error: PinError | None = None
+        self.done = anyio.Event()
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+
+    # -- control ----------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the pipeline to end at the next chunk boundary (thread-safe)."""
+        self._stop.set()
+        self.gate.wake()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def states(self) -> list[ChunkState]:
+        with self._lock:
+            return list(self._states)
+
+    def is_chunk_pinned(self, index: int) -> bool:
+        return self._states[index] is ChunkState.PINNED
+
+    def all_pinned(self) -> bool:
+        return self.chunks_pinned == len(self.chunks)
+
+    # -- pipeline ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.started_at = time.perf_counter()
+        try:
+            send, receive = anyio.create_memory_object_stream[Chunk](math.inf)
+            prefault_limiter = anyio.CapacityLimiter(self._prefault_threads)
+            pin_limiter = anyio.CapacityLimiter(self._pin_threads)
+            async with anyio.create_task_group() as tg, send, receive:
+                for _ in range(self._prefault_threads):
+                    tg.start_soon(self._prefault_worker, send.clone(), prefault_limiter)
+                for _ in range(self._pin_threads):
+                    tg.start_soon(self._pin_worker, receive.clone(), pin_limiter)
+        finally:
+            self.finished_at = time.perf_counter()
+            self.done.set()
+
+    def _take(self) -> Iterator[Chunk]:
+        while not self._stop.is_set():
+            with self._lock:
+                if self._next >= len(self.chunks):
+                    return
+                chunk = self.chunks[self._next]
+                self._next += 1
+            yield chunk
+
+    async def _prefault_worker(
+        self, send: ObjectSendStream[Chunk], limiter: anyio.CapacityLimiter
+    ) -> None:
+        async with send:
+            for chunk in self._take():
+                if await anyio.to_thread.run_sync(self._prefault_one, chunk, limiter=limiter):
+                    await send.send(chunk)
+
+    async def _pin_worker(
+        self, receive: ObjectReceiveStream[Chunk], limiter: anyio.CapacityLimiter
+    ) -> None:
+        async with receive:
+            async for chunk in receive:
+                if self._stop.is_set():
+                    return
+                await anyio.to_thread.run_sync(self._pin_one, chunk, limiter=limiter)
+                if self._pin_interval_s > 0:
+                    await anyio.sleep(self._pin_interval_s)
+
+    # -- thread side ------------------------------------------------------------------
+
+    def _prefault_one(self, chunk: Chunk) -> bool:
+        if self._stop.is_set():
+            return False
+        try:
+            self.region.prefault(chunk.offset, chunk.nbytes)
+        except BaseException as exc:
+            self._fail(chunk, exc, "prefault")
+            return False
+        with self._lock:
+            self._states[chunk.index] = ChunkState.PREFAULTED
+        return True
+
+    def _pin_one(self, chunk: Chunk) -> None:
+        if not self.gate.enter_call(abort=self._stop):
+            return
+        try:
+            if self._stop.is_set():
+                return
+            try:
+                self.backend.pin(self.region.address + chunk.offset, chunk.nbytes)
+            except BaseException as exc:
+                self._fail(chunk, exc, "pin")
+                return
+            with self._lock:
+                self._states[chunk.index] = ChunkState.PINNED
+                self.pinned_bytes += chunk.nbytes
+                self.chunks_pinned += 1
+        finally:
+            self.gate.exit_call()
+
+    def _fail(self, chunk: Chunk, exc: BaseException, stage: str) -> None:
+        code = getattr(exc, "code", None) if isinstance(exc, BackendCallError) else None
+        code_name = exc.code_name if isinstance(exc, BackendCallError) else None
+        if code is None and isinstance(exc, OSError) and exc.errno is not None:
+            code, code_name = exc.errno, errno.errorcode.get(exc.errno)
+        error = PinError(chunk.index, chunk.offset, chunk.nbytes, code, code_name, f"{stage}: {exc}")
+        error.__cause__ = exc
+        with self._lock:
+            self._states[chunk.index] = ChunkState.FAILED
+            if self.error is None:
+                self.error = error
+        self.stop()
+
+    def unpin_all(self) -> list[tuple[Chunk, Exception]]:
+        """Unpin every pinned chunk once, in order, through the gate; returns the chunks
+        whose unpin failed, with why (they must stay mapped). Call once the pipeline is done."""
+        leaked: list[tuple[Chunk, Exception]] = []
+        for chunk in self.chunks:
+            if self._states[chunk.index] is not ChunkState.PINNED:
+                continue
+            self.gate.enter_call()
+            try:
+                self.backend.unpin(self.region.address + chunk.offset, chunk.nbytes)
+            except Exception as exc:
+                with self._lock:
+                    self._states[chunk.index] = ChunkState.LEAKED
+                leaked.append((chunk, exc))
+            else:
+                with self._lock:
+                    self._states[chunk.index] = ChunkState.UNPINNED
+                    self.pinned_bytes -= chunk.nbytes
+                    self.chunks_pinned -= 1
+            finally:
+                self.gate.exit_call()
+        return leaked

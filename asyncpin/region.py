@@ -1,0 +1,346 @@
+"""HostRegion: one host mapping for KV blocks, cut into chunks that are pinned one by one.
+
+A region is an exact page-rounded span of virtual memory: anonymous, or a named file in
+/dev/shm that another process can attach to. Mapping costs no time that grows with its
+size; pages are faulted in later, chunk by chunk, by :meth:`HostRegion.prefault`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from asyncpin import _sys
+from asyncpin.errors import ConfigError, PreflightError, RegionNotFoundError
+
+__all__ = ["Backing", "Chunk", "HostRegion", "HugePages", "round_to_pages"]
+
+Backing = Literal["anonymous", "shared"]
+HugePages = Literal["thp", "none"]
+
+SHM_DIR = Path("/dev/shm")
+_HUGE_PAGE = 2 << 20
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+
+
+def round_to_pages(nbytes: int) -> int:
+    return -(-nbytes // _sys.PAGE_SIZE) * _sys.PAGE_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A slice of the region that is prefaulted and pinned as one unit."""
+
+    index: int
+    offset: int
+    nbytes: int
+
+
+class HostRegion:
+    """One mapping of host memory.
+
+    Use :meth:`create` or :meth:`attach`; :meth:`close` releases it. After close every
+    view handed out earlier points at unmapped memory and must not be touched.
+    """
+
+    __slots__ = (
+        "_address",
+        "_closed",
+        "_fd",
+        "_owner",
+        "_path",
+        "backing",
+        "hugepages",
+        "name",
+        "nbytes",
+    )
+
+    def __init__(
+        self,
+        *,
+        address: int,
+        nbytes: int,
+        backing: Backing,
+        hugepages: HugePages,
+        name: str | None,
+        fd: int,
+        path: Path | None,
+        owner: bool,
+    ) -> None:
+        self._address = address
+        self.nbytes = nbytes
+        self.backing: Backing = backing
+        self.hugepages: HugePages = hugepages
+        self.name = name
+        self._fd = fd
+        self._path = path
+        self._owner = owner
+        self._closed = False
+
+    # -- construction -----------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        nbytes: int,
+        *,
+        backing: Backing = "anonymous",
+        name: str | None = None,
+        hugepages: HugePages = "thp",
+    ) -> HostRegion:
+        """Map ``nbytes`` (rounded up to a page) of fresh memory.
+
+        For ``backing="shared"`` a file ``/dev/shm/<name>`` is created exclusively with
+        mode 0600; it is unlinked when this region closes.
+        """
+        nbytes = validate_nbytes(nbytes)
+        if backing == "anonymous":
+            if name is not None:
+                raise ConfigError("name is only meaningful for backing='shared'")
+            address = _map_anonymous_aligned(nbytes)
+            region = cls(
+                address=address,
+                nbytes=nbytes,
+                backing=backing,
+                hugepages=hugepages,
+                name=None,
+                fd=-1,
+                path=None,
+                owner=True,
+            )
+        elif backing == "shared":
+            path = _shm_path(name)
+            check_shm_space(nbytes)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                raise ConfigError(
+                    f"a shared region named {name!r} already exists ({path}); "
+                    "attach to it, or pick another name"
+                ) from None
+            try:
+                os.ftruncate(fd, nbytes)
+                address = _sys.libc_mmap(
+                    nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd
+                )
+            except BaseException:
+                os.close(fd)
+                path.unlink(missing_ok=True)
+                raise
+            region = cls(
+                address=address,
+                nbytes=nbytes,
+                backing=backing,
+                hugepages=hugepages,
+                name=name,
+                fd=fd,
+                path=path,
+                owner=True,
+            )
+        else:
+            raise ConfigError(f"unknown backing {backing!r}: use 'anonymous' or 'shared'")
+        region._advise()
+        return region
+
+    @classmethod
+    def attach(cls, name: str, *, hugepages: HugePages = "thp") -> HostRegion:
+        """Map an existing shared region by name. An attacher never unlinks it."""
+        path = _shm_path(name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise RegionNotFoundError(name, str(path)) from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                raise ConfigError(
+                    f"{path} is not a regular file owned by uid {os.geteuid()}; refusing to attach"
+                )
+            nbytes = info.st_size
+            if nbytes <= 0 or nbytes % _sys.PAGE_SIZE:
+                raise ConfigError(f"{path} has size {nbytes}, not a region made by asyncpin")
+            address = _sys.libc_mmap(
+                nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd
+            )
+        except BaseException:
+            os.close(fd)
+            raise
+        region = cls(
+            address=address,
+            nbytes=nbytes,
+            backing="shared",
+            hugepages=hugepages,
+            name=name,
+            fd=fd,
+            path=path,
+            owner=False,
+        )
+        region._advise()
+        return region
+
+    def _advise(self) -> None:
+        # Children of a fork must not inherit (and copy-on-write) pinned DMA memory.
+        _sys.libc_madvise(self._address, self.nbytes, _sys.MADV_DONTFORK)
+        if self.hugepages == "thp" and self.backing == "anonymous":
+            try:
+                _sys.libc_madvise(self._address, self.nbytes, _sys.MADV_HUGEPAGE)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # EINVAL: kernel built without THP
+                    raise
+
+    # -- use --------------------------------------------------------------------------
+
+    @property
+    def address(self) -> int:
+        self._check_open()
+        return self._address
+
+    @property
+    def is_owner(self) -> bool:
+        return self._owner
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def chunks(self, chunk_bytes: int) -> list[Chunk]:
+        """Cut the region into chunks of ``chunk_bytes`` (a page multiple); the last may be short."""
+        if chunk_bytes <= 0 or chunk_bytes % _sys.PAGE_SIZE:
+            raise ConfigError(
+                f"chunk_bytes={chunk_bytes} must be a positive multiple of the page size "
+                f"({_sys.PAGE_SIZE})"
+            )
+        return [
+            Chunk(i, offset, min(chunk_bytes, self.nbytes - offset))
+            for i, offset in enumerate(range(0, self.nbytes, chunk_bytes))
+        ]
+
+    def view(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
+        """A uint8 tensor over ``[offset, offset + nbytes)``; valid until :meth:`close`."""
+        self._check_open()
+        if nbytes is None:
+            nbytes = self.nbytes - offset
+        if offset < 0 or nbytes <= 0 or offset + nbytes > self.nbytes:
+            raise ConfigError(
+                f"view [{offset}, {offset + nbytes}) is outside the region of {self.nbytes} bytes"
+            )
+        array = (ctypes.c_uint8 * nbytes).from_address(self._address + offset)
+        return torch.frombuffer(array, dtype=torch.uint8)
+
+    def prefault(self, offset: int, nbytes: int) -> None:
+        """Fault in ``[offset, offset+nbytes)`` for writing, with the GIL released.
+
+        Uses MADV_POPULATE_WRITE (an error, not SIGBUS, if memory runs out); on kernels
+        without it, touches the pages with memset (only safe on fresh memory: it zeroes).
+        """
+        self._check_open()
+        try:
+            _sys.libc_madvise(self._address + offset, nbytes, _sys.MADV_POPULATE_WRITE)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            _sys.libc_memset(self._address + offset, 0, nbytes)
+
+    def hugepage_bytes(self) -> int:
+        """Bytes of this mapping backed by transparent huge pages (from /proc/self/smaps)."""
+        if self._closed:
+            return 0
+        start, end = self._address, self._address + self.nbytes
+        total = 0
+        inside = False
+        for line in Path("/proc/self/smaps").read_text().splitlines():
+            head = line.split(" ", 1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < end and hi > start
+            elif inside and line.startswith(("AnonHugePages:", "ShmemPmdMapped:")):
+                total += int(line.split()[1]) * 1024
+        return total
+
+    def release(self, keep: list[Chunk] | None = None) -> None:
+        """Unmap the region except the chunks in ``keep`` (leaked on purpose), close the
+        file and, for the creator of a shared region, unlink it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        cursor = 0
+        for chunk in sorted(keep or [], key=lambda c: c.offset):
+            if chunk.offset > cursor:
+                _sys.libc_munmap(self._address + cursor, chunk.offset - cursor)
+            cursor = chunk.offset + chunk.nbytes
+        if cursor < self.nbytes:
+            _sys.libc_munmap(self._address + cursor, self.nbytes - cursor)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._owner and self._path is not None:
+            self._path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self.release()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("the region is closed")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"0x{self._address:x}"
+        return (
+            f"<HostRegion {self.backing} name={self.name!r} nbytes={self.nbytes} "
+            f"hugepages={self.hugepages} at {state}>"
+        )
+
+
+def validate_nbytes(nbytes: int) -> int:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        raise ConfigError(f"nbytes must be an int, not {type(nbytes).__name__}")
+    if nbytes <= 0:
+        raise ConfigError(f"nbytes must be positive, got {nbytes}")
+    return round_to_pages(nbytes)
+
+
+def check_shm_space(nbytes: int) -> None:
+    st = os.statvfs(SHM_DIR)
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise PreflightError(
+            "shm",
+            nbytes,
+            free,
+            f"free space in {SHM_DIR} or enlarge it (mount -o remount,size=... {SHM_DIR}; "
+            "in docker: --shm-size)",
+        )
+
+
+def _shm_path(name: str | None) -> Path:
+    if name is None:
+        raise ConfigError("backing='shared' needs a name")
+    if not _NAME_RE.match(name) or name in (".", ".."):
+        raise ConfigError(
+            f"shared region name {name!r} must be 1-200 letters, digits, '.', '_' or '-'"
+        )
+    return SHM_DIR / name
+
+
+def _map_anonymous_aligned(nbytes: int) -> int:
+    """Map anonymous memory at a 2 MiB boundary, exactly ``nbytes`` long, so that THP
+    can back it from its first byte; the slack of the over-sized mapping is unmapped."""
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    raw = _sys.libc_mmap(nbytes + _HUGE_PAGE, prot, flags)
+    start = -(-raw // _HUGE_PAGE) * _HUGE_PAGE
+    if start > raw:
+        _sys.libc_munmap(raw, start - raw)
+    tail = raw + nbytes + _HUGE_PAGE - (start + nbytes)
+    if tail:
+        _sys.libc_munmap(start + nbytes, tail)
+    return start

@@ -1,0 +1,120 @@
+"""Test doubles for asyncpin: a backend that records every call in order and fails or
+stalls on command. For testing faults and ordering only; it pins nothing."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from asyncpin.errors import BackendCallError
+
+__all__ = ["BackendCall", "FakeBackend", "is_mapped"]
+
+
+def is_mapped(address: int, nbytes: int) -> bool:
+    """Whether ``[address, address+nbytes)`` lies inside mappings of this process."""
+    covered = address
+    end = address + nbytes
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
+        ranges.append((lo, hi))
+    for lo, hi in sorted(ranges):
+        if lo <= covered < hi:
+            covered = hi
+            if covered >= end:
+                return True
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class BackendCall:
+    """One recorded call: ``op`` is ``pin`` or ``unpin``; ``ok`` whether it succeeded;
+    ``mapped`` whether the span was still mapped when the call was made."""
+
+    op: str
+    address: int
+    nbytes: int
+    ok: bool
+    mapped: bool
+
+
+class FakeBackend:
+    """Records pin/unpin calls; fails or stalls the n-th call (0-based) on command.
+
+    - ``fail_pin_at``: the n-th pin call raises BackendCallError (code ``EFAKE`` = 9999).
+    - ``stall_pin_at``: the n-th pin call sets :attr:`stalled` and blocks until
+      :meth:`release` is called.
+    - ``fail_unpin_at``: the n-th unpin call raises BackendCallError.
+    """
+
+    name = "fake"
+    max_pin_bytes = 1 << 62
+    FAKE_CODE = 9999
+
+    def __init__(
+        self,
+        *,
+        fail_pin_at: int | None = None,
+        stall_pin_at: int | None = None,
+        fail_unpin_at: int | None = None,
+        max_pin_bytes: int | None = None,
+    ) -> None:
+        self.fail_pin_at = fail_pin_at
+        self.stall_pin_at = stall_pin_at
+        self.fail_unpin_at = fail_unpin_at
+        if max_pin_bytes is not None:
+            self.max_pin_bytes = max_pin_bytes
+        self.calls: list[BackendCall] = []
+        self.stalled = threading.Event()
+        self._released = threading.Event()
+        self._lock = threading.Lock()
+        self._pins = 0
+        self._unpins = 0
+
+    def release(self) -> None:
+        """Let a stalled pin call return."""
+        self._released.set()
+
+    def preflight(self, nbytes: int) -> None:
+        return None
+
+    def pin(self, address: int, nbytes: int) -> None:
+        with self._lock:
+            n = self._pins
+            self._pins += 1
+        if n == self.stall_pin_at:
+            self.stalled.set()
+            self._released.wait()
+        ok = n != self.fail_pin_at
+        self._record("pin", address, nbytes, ok)
+        if not ok:
+            raise BackendCallError("fake_pin", self.FAKE_CODE, "EFAKE", f"injected failure at pin {n}")
+
+    def unpin(self, address: int, nbytes: int) -> None:
+        with self._lock:
+            n = self._unpins
+            self._unpins += 1
+        ok = n != self.fail_unpin_at
+        self._record("unpin", address, nbytes, ok)
+        if not ok:
+            raise BackendCallError(
+                "fake_unpin", self.FAKE_CODE, "EFAKE", f"injected failure at unpin {n}"
+            )
+
+    def _record(self, op: str, address: int, nbytes: int, ok: bool) -> None:
+        call = BackendCall(op, address, nbytes, ok, is_mapped(address, nbytes))
+        with self._lock:
+            self.calls.append(call)
+
+    # -- views for assertions ---------------------------------------------------------
+
+    def pinned_spans(self) -> list[tuple[int, int]]:
+        return [(c.address, c.nbytes) for c in self.calls if c.op == "pin" and c.ok]
+
+    def unpinned_spans(self) -> list[tuple[int, int]]:
+        return [(c.address, c.nbytes) for c in self.calls if c.op == "unpin"]
+
+    def __repr__(self) -> str:
+        return f"<FakeBackend calls={len(self.calls)} stalled={self.stalled.is_set()}>"
