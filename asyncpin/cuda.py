@@ -64,7 +64,7 @@ def _cudart() -> ctypes.CDLL | None:
     global _lib, _lib_searched
     with _lib_lock:
         if not _lib_searched:
-            torch.cuda.init()
+            torch.cuda.init()  # type: ignore[no-untyped-call]
             _lib = _find_libcudart()
             _lib_searched = True
         return _lib
@@ -93,7 +93,8 @@ class CudaBackend:
         self._device = torch.cuda.current_device() if device is None else int(device)
         if not 0 <= self._device < torch.cuda.device_count():
             raise BackendUnavailableError(
-                "cuda", f"device {self._device} does not exist ({torch.cuda.device_count()} visible)"
+                "cuda",
+                f"device {self._device} does not exist ({torch.cuda.device_count()} visible)",
             )
         self._lib = _cudart()
 
@@ -115,7 +116,7 @@ class CudaBackend:
             if code != 0:
                 self._lib.cudaGetLastError()  # consume it: it must not resurface later
         else:
-            code = int(getattr(torch.cuda.cudart(), fn_name)(*args))
+            code = int(getattr(torch.cuda.cudart(), fn_name)(*args))  # type: ignore[no-untyped-call]
         if code != 0:
             name, text = cuda_error_name(code)
             raise BackendCallError(op, code, name, text or f"{fn_name} returned {code}")

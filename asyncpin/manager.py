@@ -98,8 +98,12 @@ class OffloadManager:
             raise ConfigError(f"unknown backing {backing!r}: use 'anonymous' or 'shared'")
         if hugepages not in ("thp", "none"):
             raise ConfigError(f"unknown hugepages policy {hugepages!r}: use 'thp' or 'none'")
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0 \
-                or chunk_bytes % _sys.PAGE_SIZE:
+        if (
+            isinstance(chunk_bytes, bool)
+            or not isinstance(chunk_bytes, int)
+            or chunk_bytes <= 0
+            or chunk_bytes % _sys.PAGE_SIZE
+        ):
             raise ConfigError(
                 f"chunk_bytes={chunk_bytes!r} must be a positive multiple of the page size "
                 f"({_sys.PAGE_SIZE})"
@@ -252,9 +256,7 @@ class OffloadManager:
             )
             self._pinned.resolve()
         else:
-            self._log.info(
-                "pin.stopped", pinned_bytes=scheduler.pinned_bytes, nbytes=self._nbytes
-            )
+            self._log.info("pin.stopped", pinned_bytes=scheduler.pinned_bytes, nbytes=self._nbytes)
 
     async def aclose(self) -> None:
         """Close in order; see the class docstring for the guarantees."""
@@ -283,7 +285,7 @@ class OffloadManager:
                         offset=chunk.offset,
                         nbytes=chunk.nbytes,
                         error=str(exc),
-                        action="chunk left mapped (leaked) so no device access can hit freed memory",
+                        action="left mapped (leaked): no device access can hit freed memory",
                     )
                 self._leaked = len(leaked)
                 region.release(keep=[chunk for chunk, _ in leaked])
@@ -378,5 +380,3 @@ class OffloadManager:
             f"<OffloadManager #{self._id} {s.state} backend={s.backend} "
             f"pinned={s.pinned_bytes}/{s.nbytes} chunks={s.chunks_pinned}/{s.chunks_total}>"
         )
-
-

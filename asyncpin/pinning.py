@@ -293,7 +293,9 @@ class PinScheduler:
         code_name = exc.code_name if isinstance(exc, BackendCallError) else None
         if code is None and isinstance(exc, OSError) and exc.errno is not None:
             code, code_name = exc.errno, errno.errorcode.get(exc.errno)
-        error = PinError(chunk.index, chunk.offset, chunk.nbytes, code, code_name, f"{stage}: {exc}")
+        error = PinError(
+            chunk.index, chunk.offset, chunk.nbytes, code, code_name, f"{stage}: {exc}"
+        )
         error.__cause__ = exc
         with self._lock:
             self._states[chunk.index] = ChunkState.FAILED

@@ -168,9 +168,7 @@ class HostRegion:
             nbytes = info.st_size
             if nbytes <= 0 or nbytes % _sys.PAGE_SIZE:
                 raise ConfigError(f"{path} has size {nbytes}, not a region made by asyncpin")
-            address = _sys.libc_mmap(
-                nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd
-            )
+            address = _sys.libc_mmap(nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd)
         except BaseException:
             os.close(fd)
             raise
@@ -213,7 +211,7 @@ class HostRegion:
         return self._closed
 
     def chunks(self, chunk_bytes: int) -> list[Chunk]:
-        """Cut the region into chunks of ``chunk_bytes`` (a page multiple); the last may be short."""
+        """Cut the region into ``chunk_bytes`` pieces (a page multiple); the last may be short."""
         if chunk_bytes <= 0 or chunk_bytes % _sys.PAGE_SIZE:
             raise ConfigError(
                 f"chunk_bytes={chunk_bytes} must be a positive multiple of the page size "

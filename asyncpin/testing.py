@@ -90,7 +90,9 @@ class FakeBackend:
         ok = n != self.fail_pin_at
         self._record("pin", address, nbytes, ok)
         if not ok:
-            raise BackendCallError("fake_pin", self.FAKE_CODE, "EFAKE", f"injected failure at pin {n}")
+            raise BackendCallError(
+                "fake_pin", self.FAKE_CODE, "EFAKE", f"injected failure at pin {n}"
+            )
 
     def unpin(self, address: int, nbytes: int) -> None:
         with self._lock:
