@@ -11,6 +11,7 @@ from asyncpin.errors import (
     RegionNotFoundError,
     TransferError,
 )
+from asyncpin.gate import capture_gate, install_capture_gate
 from asyncpin.manager import DEFAULT_CHUNK_BYTES, ManagerState, ManagerStats, OffloadManager
 from asyncpin.pinning import ChunkState
 
@@ -30,4 +31,6 @@ __all__ = [
     "PreflightError",
     "RegionNotFoundError",
     "TransferError",
+    "capture_gate",
+    "install_capture_gate",
 ]

@@ -19,7 +19,8 @@ from anyio.abc import TaskGroup
 from asyncpin import _sys
 from asyncpin.backends import PinBackend, resolve_backend
 from asyncpin.errors import ConfigError, PinError, PreflightError
-from asyncpin.pinning import PausedContext, PauseGate, PinnedSignal, PinScheduler
+from asyncpin.gate import PausedContext, PauseGate
+from asyncpin.pinning import PinnedSignal, PinScheduler
 from asyncpin.region import Backing, HostRegion, HugePages, validate_nbytes
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ManagerState", "ManagerStats", "OffloadManager"]
@@ -96,8 +97,10 @@ class OffloadManager:
         self._nbytes = 0 if _attach else validate_nbytes(nbytes)
         if backing not in ("anonymous", "shared"):
             raise ConfigError(f"unknown backing {backing!r}: use 'anonymous' or 'shared'")
-        if hugepages not in ("thp", "none"):
-            raise ConfigError(f"unknown hugepages policy {hugepages!r}: use 'thp' or 'none'")
+        if hugepages not in ("thp", "hugetlb", "none"):
+            raise ConfigError(
+                f"unknown hugepages policy {hugepages!r}: use 'thp', 'hugetlb' or 'none'"
+            )
         if (
             isinstance(chunk_bytes, bool)
             or not isinstance(chunk_bytes, int)

@@ -15,7 +15,6 @@ import math
 import threading
 import time
 from collections.abc import Iterator
-from types import TracebackType
 from typing import TYPE_CHECKING
 
 import anyio
@@ -23,12 +22,13 @@ import anyio.to_thread
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from asyncpin.errors import BackendCallError, PinError
+from asyncpin.gate import PauseGate
 from asyncpin.region import Chunk, HostRegion
 
 if TYPE_CHECKING:
     from asyncpin.backends import PinBackend
 
-__all__ = ["ChunkState", "PauseGate", "PinScheduler", "PinnedSignal"]
+__all__ = ["ChunkState", "PinScheduler", "PinnedSignal"]
 
 
 class ChunkState(enum.Enum):
@@ -38,87 +38,6 @@ class ChunkState(enum.Enum):
     FAILED = "failed"
     UNPINNED = "unpinned"
     LEAKED = "leaked"
-
-
-class PauseGate:
-    """Keeps pin/unpin calls apart from code that must not overlap them.
-
-    ``paused()`` waits for the pin call in flight to return and holds new ones until it
-    exits. Usable from any thread (``with``) or from async code (``async with``, which
-    waits in a worker thread so the event loop is never blocked). Reentrant and counted:
-    pins resume when the last holder leaves.
-    """
-
-    __slots__ = ("_cond", "_holders", "_in_flight")
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._holders = 0
-        self._in_flight = 0
-
-    def hold(self) -> None:
-        with self._cond:
-            self._holders += 1
-            while self._in_flight:
-                self._cond.wait()
-
-    def unhold(self) -> None:
-        with self._cond:
-            if self._holders <= 0:
-                raise RuntimeError("pause gate released more often than held")
-            self._holders -= 1
-            self._cond.notify_all()
-
-    def enter_call(self, abort: threading.Event | None = None) -> bool:
-        """Block while paused; False if ``abort`` was set while waiting (no call made)."""
-        with self._cond:
-            while self._holders and not (abort is not None and abort.is_set()):
-                self._cond.wait()
-            if abort is not None and abort.is_set():
-                return False
-            self._in_flight += 1
-            return True
-
-    def exit_call(self) -> None:
-        with self._cond:
-            self._in_flight -= 1
-            self._cond.notify_all()
-
-    def wake(self) -> None:
-        """Wake waiters so they re-check their abort flag."""
-        with self._cond:
-            self._cond.notify_all()
-
-    def is_paused(self) -> bool:
-        return self._holders > 0
-
-    def paused(self) -> PausedContext:
-        return PausedContext(self)
-
-
-class PausedContext:
-    """``with`` / ``async with`` form of :meth:`PauseGate.paused`."""
-
-    __slots__ = ("_gate",)
-
-    def __init__(self, gate: PauseGate) -> None:
-        self._gate = gate
-
-    def __enter__(self) -> None:
-        self._gate.hold()
-
-    def __exit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._gate.unhold()
-
-    async def __aenter__(self) -> None:
-        await anyio.to_thread.run_sync(self._gate.hold)
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._gate.unhold()
 
 
 class PinnedSignal:

@@ -25,10 +25,11 @@ from asyncpin.errors import ConfigError, PreflightError, RegionNotFoundError
 __all__ = ["Backing", "Chunk", "HostRegion", "HugePages", "round_to_pages"]
 
 Backing = Literal["anonymous", "shared"]
-HugePages = Literal["thp", "none"]
+HugePages = Literal["thp", "hugetlb", "none"]
 
 SHM_DIR = Path("/dev/shm")
 _HUGE_PAGE = 2 << 20
+_MAP_HUGETLB = 0x40000
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
 
@@ -103,10 +104,20 @@ class HostRegion:
         mode 0600; it is unlinked when this region closes.
         """
         nbytes = validate_nbytes(nbytes)
+        if hugepages not in ("thp", "hugetlb", "none"):
+            raise ConfigError(
+                f"unknown hugepages policy {hugepages!r}: use 'thp', 'hugetlb' or 'none'"
+            )
+        if hugepages == "hugetlb" and backing != "anonymous":
+            raise ConfigError("hugepages='hugetlb' is available for backing='anonymous' only")
         if backing == "anonymous":
             if name is not None:
                 raise ConfigError("name is only meaningful for backing='shared'")
-            address = _map_anonymous_aligned(nbytes)
+            if hugepages == "hugetlb":
+                nbytes = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
+                address = _map_hugetlb(nbytes)
+            else:
+                address = _map_anonymous_aligned(nbytes)
             region = cls(
                 address=address,
                 nbytes=nbytes,
@@ -260,7 +271,9 @@ class HostRegion:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo < end and hi > start
-            elif inside and line.startswith(("AnonHugePages:", "ShmemPmdMapped:")):
+            elif inside and line.startswith(
+                ("AnonHugePages:", "ShmemPmdMapped:", "Private_Hugetlb:", "Shared_Hugetlb:")
+            ):
                 total += int(line.split()[1]) * 1024
         return total
 
@@ -327,6 +340,33 @@ def _shm_path(name: str | None) -> Path:
             f"shared region name {name!r} must be 1-200 letters, digits, '.', '_' or '-'"
         )
     return SHM_DIR / name
+
+
+def hugetlb_free_bytes() -> int:
+    """Free pages of the default hugetlb pool, in bytes (/proc/meminfo)."""
+    fields = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        fields[key] = rest.split()
+    return int(fields["HugePages_Free"][0]) * int(fields["Hugepagesize"][0]) * 1024
+
+
+def _map_hugetlb(nbytes: int) -> int:
+    """Map from the reserved hugetlb pool; a short pool is a PreflightError saying what to do."""
+    free = hugetlb_free_bytes()
+    fix = (
+        f"the pool needs {nbytes // _HUGE_PAGE} free 2 MiB pages (raise "
+        "/proc/sys/vm/nr_hugepages) or use hugepages='thp'"
+    )
+    if nbytes > free:
+        raise PreflightError("hugetlb", nbytes, free, fix)
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    try:
+        return _sys.libc_mmap(nbytes, prot, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_HUGETLB)
+    except OSError as exc:
+        if exc.errno == errno.ENOMEM:
+            raise PreflightError("hugetlb", nbytes, hugetlb_free_bytes(), fix) from exc
+        raise
 
 
 def _map_anonymous_aligned(nbytes: int) -> int:

@@ -1,0 +1,179 @@
+"""The pause gate: keeps pin/unpin calls apart from work that must not overlap them.
+
+``cudaHostRegister`` issued while another thread captures a CUDA graph fails with error
+900 and invalidates the capture. Each manager has a :class:`PauseGate`; in addition a
+process-wide hold (:func:`capture_gate`) pauses the gates of every manager at once, and
+:func:`install_capture_gate` makes every ``torch.cuda.CUDAGraph`` capture take that
+hold, so an engine installs it once and need not know which managers exist.
+
+All gates share one condition variable: calls are chunk-sized (milliseconds), so one
+lock costs nothing measurable and keeps the global and per-manager holds consistent.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any
+
+import anyio.to_thread
+
+__all__ = ["PauseGate", "PausedContext", "capture_gate", "install_capture_gate"]
+
+_cond = threading.Condition()
+_global_holders = 0
+_global_in_flight = 0
+
+
+class PauseGate:
+    """Per-manager gate. ``paused()`` waits for the call in flight to return and holds
+    new ones until it exits; usable from any thread (``with``) or from async code
+    (``async with``, which waits in a worker thread). Reentrant and counted."""
+
+    __slots__ = ("_holders", "_in_flight")
+
+    def __init__(self) -> None:
+        self._holders = 0
+        self._in_flight = 0
+
+    def hold(self) -> None:
+        with _cond:
+            self._holders += 1
+            while self._in_flight:
+                _cond.wait()
+
+    def unhold(self) -> None:
+        with _cond:
+            if self._holders <= 0:
+                raise RuntimeError("pause gate released more often than held")
+            self._holders -= 1
+            _cond.notify_all()
+
+    def enter_call(self, abort: threading.Event | None = None) -> bool:
+        """Block while paused; False if ``abort`` was set while waiting (no call made)."""
+        global _global_in_flight
+        with _cond:
+            while (self._holders or _global_holders) and not (abort and abort.is_set()):
+                _cond.wait()
+            if abort is not None and abort.is_set():
+                return False
+            self._in_flight += 1
+            _global_in_flight += 1
+            return True
+
+    def exit_call(self) -> None:
+        global _global_in_flight
+        with _cond:
+            self._in_flight -= 1
+            _global_in_flight -= 1
+            _cond.notify_all()
+
+    def wake(self) -> None:
+        """Wake waiters so they re-check their abort flag."""
+        with _cond:
+            _cond.notify_all()
+
+    def is_paused(self) -> bool:
+        return bool(self._holders or _global_holders)
+
+    def paused(self) -> PausedContext:
+        return PausedContext(self.hold, self.unhold)
+
+
+class PausedContext:
+    """``with`` (any thread) and ``async with`` (waits off the event loop) over a hold."""
+
+    __slots__ = ("_hold", "_unhold")
+
+    def __init__(self, hold: Callable[[], None], unhold: Callable[[], None]) -> None:
+        self._hold = hold
+        self._unhold = unhold
+
+    def __enter__(self) -> None:
+        self._hold()
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._unhold()
+
+    async def __aenter__(self) -> None:
+        await anyio.to_thread.run_sync(self._hold)
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._unhold()
+
+
+def _hold_all() -> None:
+    global _global_holders
+    with _cond:
+        _global_holders += 1
+        while _global_in_flight:
+            _cond.wait()
+
+
+def _unhold_all() -> None:
+    global _global_holders
+    with _cond:
+        if _global_holders <= 0:
+            raise RuntimeError("capture gate released more often than held")
+        _global_holders -= 1
+        _cond.notify_all()
+
+
+def capture_gate() -> PausedContext:
+    """Pause pin and unpin calls of every manager in the process (``with`` or ``async with``).
+
+    Wrap an engine's whole warm-up / CUDA graph capture in it."""
+    return PausedContext(_hold_all, _unhold_all)
+
+
+@contextmanager
+def _patched(cls: Any) -> Iterator[None]:
+    begin, end = cls.capture_begin, cls.capture_end
+
+    def capture_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _hold_all()
+        try:
+            return begin(self, *args, **kwargs)
+        except BaseException:
+            _unhold_all()
+            raise
+
+    def capture_end(self: Any) -> Any:
+        try:
+            return end(self)
+        finally:
+            _unhold_all()
+
+    cls.capture_begin, cls.capture_end = capture_begin, capture_end
+    try:
+        yield
+    finally:
+        cls.capture_begin, cls.capture_end = begin, end
+
+
+class _Installed:
+    """Handle returned by :func:`install_capture_gate`; ``uninstall()`` restores torch."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._cm = _patched(torch.cuda.CUDAGraph)
+        self._cm.__enter__()
+
+    def uninstall(self) -> None:
+        self._cm.__exit__(None, None, None)
+
+
+def install_capture_gate() -> _Installed:
+    """Make every ``torch.cuda.CUDAGraph`` capture (``torch.cuda.graph(...)`` included)
+    hold the process-wide gate from ``capture_begin`` to ``capture_end``.
+
+    Install once at start-up; returns a handle whose ``uninstall()`` undoes it.
+    """
+    return _Installed()
