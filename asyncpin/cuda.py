@@ -64,7 +64,7 @@ def _cudart() -> ctypes.CDLL | None:
     global _lib, _lib_searched
     with _lib_lock:
         if not _lib_searched:
-            torch.cuda.init()  # type: ignore[no-untyped-call]
+            torch.cuda.init()
             _lib = _find_libcudart()
             _lib_searched = True
         return _lib
@@ -116,7 +116,7 @@ class CudaBackend:
             if code != 0:
                 self._lib.cudaGetLastError()  # consume it: it must not resurface later
         else:
-            code = int(getattr(torch.cuda.cudart(), fn_name)(*args))  # type: ignore[no-untyped-call]
+            code = int(getattr(torch.cuda.cudart(), fn_name)(*args))
         if code != 0:
             name, text = cuda_error_name(code)
             raise BackendCallError(op, code, name, text or f"{fn_name} returned {code}")

@@ -54,6 +54,8 @@ class ManagerStats:
     pin_gib_per_s: float | None
     hugepages: str
     hugepage_bytes: int | None
+    slowest_pin_seconds: float
+    unpin_seconds: float | None
     close_seconds: float | None
     error: str | None
 
@@ -209,8 +211,11 @@ class OffloadManager:
             await self.aclose()
         finally:
             assert self._tg is not None
-            suppress = await self._tg.__aexit__(exc_type, exc, tb)
-        return suppress
+            # aclose() has waited for the pinning task to end, so the group has nothing
+            # left to cancel. Handing it the body's exception would make anyio wrap that
+            # exception in an ExceptionGroup; the caller must get it unchanged.
+            await self._tg.__aexit__(None, None, None)
+        return None
 
     def _preflight(self) -> None:
         available = _sys.mem_available_bytes()
@@ -373,6 +378,8 @@ class OffloadManager:
             pin_gib_per_s=self._gib_per_s(),
             hugepages=self._hugepages,
             hugepage_bytes=self._hugepage_bytes,
+            slowest_pin_seconds=scheduler.slowest_pin_seconds if scheduler else 0.0,
+            unpin_seconds=scheduler.unpin_seconds if scheduler else None,
             close_seconds=self._close_seconds,
             error=str(error) if isinstance(error, PinError) else None,
         )

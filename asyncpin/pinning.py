@@ -105,6 +105,8 @@ class PinScheduler:
         self.pinned_bytes = 0
         self.chunks_pinned = 0
         self.error: PinError | None = None
+        self.slowest_pin_seconds = 0.0
+        self.unpin_seconds: float | None = None
         self.done = anyio.Event()
         self.started_at: float | None = None
         self.finished_at: float | None = None
@@ -195,12 +197,15 @@ class PinScheduler:
         try:
             if self._stop.is_set():
                 return
+            t0 = time.perf_counter()
             try:
                 self.backend.pin(self.region.address + chunk.offset, chunk.nbytes)
             except BaseException as exc:
                 self._fail(chunk, exc, "pin")
                 return
+            seconds = time.perf_counter() - t0
             with self._lock:
+                self.slowest_pin_seconds = max(self.slowest_pin_seconds, seconds)
                 self._states[chunk.index] = ChunkState.PINNED
                 self.pinned_bytes += chunk.nbytes
                 self.chunks_pinned += 1
@@ -226,6 +231,7 @@ class PinScheduler:
         """Unpin every pinned chunk once, in order, through the gate; returns the chunks
         whose unpin failed, with why (they must stay mapped). Call once the pipeline is done."""
         leaked: list[tuple[Chunk, Exception]] = []
+        t0 = time.perf_counter()
         for chunk in self.chunks:
             if self._states[chunk.index] is not ChunkState.PINNED:
                 continue
@@ -243,4 +249,5 @@ class PinScheduler:
                     self.chunks_pinned -= 1
             finally:
                 self.gate.exit_call()
+        self.unpin_seconds = time.perf_counter() - t0
         return leaked

@@ -4,10 +4,15 @@ stalls on command. For testing faults and ordering only; it pins nothing."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asyncpin.errors import BackendCallError
+
+if TYPE_CHECKING:
+    from asyncpin.backends import PinBackend
 
 __all__ = ["BackendCall", "FakeBackend", "is_mapped"]
 
@@ -47,6 +52,8 @@ class FakeBackend:
     - ``stall_pin_at``: the n-th pin call sets :attr:`stalled` and blocks until
       :meth:`release` is called.
     - ``fail_unpin_at``: the n-th unpin call raises BackendCallError.
+    - ``inner``: a real backend to delegate to (then it records and injects faults around
+      real pins); ``before_pin(n, address, nbytes)`` runs before the n-th pin is made.
     """
 
     name = "fake"
@@ -60,12 +67,18 @@ class FakeBackend:
         stall_pin_at: int | None = None,
         fail_unpin_at: int | None = None,
         max_pin_bytes: int | None = None,
+        inner: PinBackend | None = None,
+        before_pin: Callable[[int, int, int], None] | None = None,
     ) -> None:
+        self.inner = inner
+        self.before_pin = before_pin
         self.fail_pin_at = fail_pin_at
         self.stall_pin_at = stall_pin_at
         self.fail_unpin_at = fail_unpin_at
         if max_pin_bytes is not None:
             self.max_pin_bytes = max_pin_bytes
+        elif inner is not None:
+            self.max_pin_bytes = inner.max_pin_bytes
         self.calls: list[BackendCall] = []
         self.stalled = threading.Event()
         self._released = threading.Event()
@@ -78,7 +91,8 @@ class FakeBackend:
         self._released.set()
 
     def preflight(self, nbytes: int) -> None:
-        return None
+        if self.inner is not None:
+            self.inner.preflight(nbytes)
 
     def pin(self, address: int, nbytes: int) -> None:
         with self._lock:
@@ -87,7 +101,15 @@ class FakeBackend:
         if n == self.stall_pin_at:
             self.stalled.set()
             self._released.wait()
+        if self.before_pin is not None:
+            self.before_pin(n, address, nbytes)
         ok = n != self.fail_pin_at
+        if ok and self.inner is not None:
+            try:
+                self.inner.pin(address, nbytes)
+            except BaseException:
+                self._record("pin", address, nbytes, False)
+                raise
         self._record("pin", address, nbytes, ok)
         if not ok:
             raise BackendCallError(
@@ -99,6 +121,12 @@ class FakeBackend:
             n = self._unpins
             self._unpins += 1
         ok = n != self.fail_unpin_at
+        if ok and self.inner is not None:
+            try:
+                self.inner.unpin(address, nbytes)
+            except BaseException:
+                self._record("unpin", address, nbytes, False)
+                raise
         self._record("unpin", address, nbytes, ok)
         if not ok:
             raise BackendCallError(

@@ -1,0 +1,247 @@
+"""The CUDA backend on a real GPU (run with `pytest -m cuda` on the GPU machine)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+import pytest
+import torch
+
+from asyncpin import OffloadManager, PinError, capture_gate, install_capture_gate
+from asyncpin.errors import BackendCallError
+from asyncpin.testing import FakeBackend
+
+if TYPE_CHECKING:
+    from asyncpin.cuda import CudaBackend
+
+pytestmark = pytest.mark.cuda
+
+MiB = 1 << 20
+GiB = 1 << 30
+NOT_REGISTERED = 713  # cudaErrorHostMemoryNotRegistered
+ALREADY_REGISTERED = 712
+
+
+def _cudart() -> ctypes.CDLL:
+    from asyncpin.cuda import _cudart as find
+
+    lib = find()
+    assert lib is not None, "libcudart must be loaded by torch on the GPU machine"
+    return lib
+
+
+def _cuda_backend() -> CudaBackend:
+    from asyncpin.cuda import CudaBackend
+
+    return CudaBackend()
+
+
+def _chunk_addresses(fake: FakeBackend) -> list[int]:
+    return [address for address, _ in fake.pinned_spans()]
+
+
+def _assert_all_unregistered(addresses: list[int]) -> None:
+    lib = _cudart()
+    for address in addresses:
+        code = lib.cudaHostUnregister(ctypes.c_void_p(address))
+        lib.cudaGetLastError()
+        assert code == NOT_REGISTERED, f"chunk at 0x{address:x} still registered ({code})"
+
+
+class TestPinAndCopy:
+    """Pinned chunks are pinned for torch, copy both ways, and are all unregistered at close."""
+
+    async def test_pin_copy_close(self) -> None:
+        fake = FakeBackend(inner=_cuda_backend())
+        with anyio.fail_after(120):
+            async with OffloadManager(1 * GiB, backend=fake, chunk_bytes=64 * MiB) as mgr:
+                await mgr.pinned
+                assert mgr.is_pinned()
+                view = mgr.host_view(128 * MiB, 64 * MiB)
+                assert view.is_pinned()
+
+                src = torch.randint(0, 256, (64 * MiB,), dtype=torch.uint8, device="cuda")
+                stream = torch.cuda.Stream()
+                with torch.cuda.stream(stream):
+                    # Keep the stream busy so an honest non_blocking copy cannot be done
+                    # by the time copy_ returns to the host.
+                    torch.cuda._sleep(2_000_000_000)
+                    view.copy_(src, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                busy = not done.query()
+                assert busy, "non_blocking D2H from a pinned chunk blocked the host"
+                done.synchronize()
+                assert torch.equal(view, src.cpu())
+
+                host_src = torch.randint(0, 256, (64 * MiB,), dtype=torch.uint8)
+                view.copy_(host_src)
+                dst = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+                with torch.cuda.stream(stream):
+                    dst.copy_(view, non_blocking=True)
+                stream.synchronize()
+                assert torch.equal(dst.cpu(), host_src)
+                addresses = _chunk_addresses(fake)
+        assert len(addresses) == 16
+        assert sorted(fake.unpinned_spans()) == sorted(fake.pinned_spans())
+        assert all(call.mapped for call in fake.calls)
+        _assert_all_unregistered(addresses)
+
+    async def test_chunks_respect_the_per_call_limit(self) -> None:
+        from asyncpin.cuda import CUDA_MAX_PIN_BYTES
+
+        mgr = OffloadManager(1 * GiB, backend="cuda", chunk_bytes=1 << 40)
+        assert mgr.stats().chunk_bytes == CUDA_MAX_PIN_BYTES
+
+
+def _capture_once(x: torch.Tensor, w: torch.Tensor) -> None:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = torch.relu(x @ w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.allclose(y, torch.relu(x @ w))
+
+
+async def _capture_while_pinning(
+    mgr: OffloadManager, gated: bool, min_captures: int = 100
+) -> tuple[int, int, list[BaseException]]:
+    """Capture graphs until pinning ended and at least ``min_captures`` were made;
+    returns (captures, captures made while pinning was under way, errors)."""
+    x = torch.randn(256, 256, device="cuda")
+    w = torch.randn(256, 256, device="cuda")
+    torch.cuda.synchronize()
+    captures = during = 0
+    errors: list[BaseException] = []
+    while captures < min_captures or not mgr.pinned.is_set():
+        under_way = 0 < mgr.stats().pinned_bytes < mgr.nbytes
+        try:
+            if gated:
+                with mgr.pinning_paused():
+                    _capture_once(x, w)
+            else:
+                _capture_once(x, w)
+        except RuntimeError as exc:
+            errors.append(exc)
+            torch.cuda.synchronize()
+        captures += 1
+        during += under_way
+        await anyio.lowlevel.checkpoint()
+        if captures > 100_000:
+            break
+    return captures, during, errors
+
+
+class TestCaptureGate:
+    """Graph capture and registration never overlap under the gate; without it they do."""
+
+    async def test_100_captures_with_the_gate(self) -> None:
+        with anyio.fail_after(300):
+            async with OffloadManager(8 * GiB, backend="cuda", chunk_bytes=32 * MiB) as mgr:
+                captures, during, errors = await _capture_while_pinning(mgr, gated=True)
+                await mgr.pinned
+                assert errors == []
+                assert captures >= 100
+                assert during > 0, "no capture overlapped pinning: the test proved nothing"
+                assert mgr.stats().chunks_pinned == mgr.stats().chunks_total
+
+    async def test_installed_hook_gates_every_capture(self) -> None:
+        handle = install_capture_gate()
+        try:
+            with anyio.fail_after(300):
+                async with OffloadManager(8 * GiB, backend="cuda", chunk_bytes=32 * MiB) as mgr:
+                    captures, during, errors = await _capture_while_pinning(mgr, gated=False)
+                    await mgr.pinned
+                    assert errors == [] and during > 0 and captures >= 100
+        finally:
+            handle.uninstall()
+
+    async def test_process_wide_gate_as_a_context_manager(self) -> None:
+        x = torch.randn(64, 64, device="cuda")
+        with anyio.fail_after(300):
+            async with OffloadManager(2 * GiB, backend="cuda", chunk_bytes=32 * MiB) as mgr:
+                while not mgr.pinned.is_set():
+                    with capture_gate():
+                        _capture_once(x, x)
+                    await anyio.lowlevel.checkpoint()
+                await mgr.pinned
+
+    async def test_without_the_gate_capture_and_registration_collide(self) -> None:
+        with anyio.fail_after(300):
+            async with OffloadManager(8 * GiB, backend="cuda", chunk_bytes=32 * MiB) as mgr:
+                captures, during, errors = await _capture_while_pinning(mgr, gated=False)
+                pin_error = mgr.pin_error
+        failures = [str(e) for e in errors]
+        codes = {pin_error.code} if pin_error is not None else set()
+        assert during > 0
+        assert failures or codes & {900, 901}, (
+            f"no collision in {captures} ungated captures: the gate test would prove nothing"
+        )
+
+
+class TestCudaFailures:
+    """CUDA failures become typed errors naming the CUDA error, and close stays exact."""
+
+    async def test_chunk_registered_twice(self) -> None:
+        lib = _cudart()
+        taken: list[int] = []
+
+        def register_first(n: int, address: int, nbytes: int) -> None:
+            if n == 3:
+                assert lib.cudaHostRegister(ctypes.c_void_p(address), nbytes, 0) == 0
+                taken.append(address)
+
+        fake = FakeBackend(inner=_cuda_backend(), before_pin=register_first)
+        with anyio.fail_after(120):
+            async with OffloadManager(
+                512 * MiB, backend=fake, chunk_bytes=64 * MiB, prefault_threads=1
+            ) as mgr:
+                with pytest.raises(PinError) as info:
+                    await mgr.pinned
+                assert lib.cudaHostUnregister(ctypes.c_void_p(taken[0])) == 0
+        err = info.value
+        assert err.code == ALREADY_REGISTERED
+        assert err.code_name == "cudaErrorHostMemoryAlreadyRegistered"
+        assert isinstance(err.__cause__, BackendCallError)
+        assert (err.chunk_index, err.offset, err.nbytes) == (3, 3 * 64 * MiB, 64 * MiB)
+        pinned = fake.pinned_spans()
+        assert sorted(fake.unpinned_spans()) == sorted(pinned)
+        assert taken[0] not in [a for a, _ in pinned]
+        _assert_all_unregistered([a for a, _ in pinned])
+        # The failure left no sticky error behind for torch to trip over.
+        torch.ones(4, device="cuda").sum().item()
+
+    def test_invalid_pointer_is_a_typed_error(self) -> None:
+        backend = _cuda_backend()
+        with pytest.raises(BackendCallError) as info:
+            backend.unpin(0x1000, 4096)
+        assert info.value.code != 0
+        assert info.value.code_name.startswith("cudaError")
+        torch.cuda.synchronize()
+        assert torch.ones(4, device="cuda").sum().item() == 4
+
+
+class TestDemoOnGpu:
+    """`python -m asyncpin demo` picks the GPU when there is one."""
+
+    def test_demo_uses_cuda(self) -> None:
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+        out = subprocess.run(
+            [sys.executable, "-m", "asyncpin", "demo", "--size", "1GiB", "--json"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr
+        stats = json.loads(out.stdout)
+        assert stats["backend"] == "cuda"
+        assert stats["state"] == "closed"
