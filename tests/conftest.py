@@ -10,6 +10,7 @@ import torch
 from asyncpin import _sys
 
 SHM = Path("/dev/shm")
+_SHM_PREFIX = f"asyncpin-test-{os.getpid()}-"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -25,17 +26,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def no_leaks() -> Iterator[None]:
     """Every test must give back what it locked and every shared file it created."""
     locked = _sys.vm_locked_bytes()
-    shm = {p.name for p in SHM.iterdir()} if SHM.is_dir() else set()
     yield
     assert _sys.vm_locked_bytes() == locked, "locked bytes did not return to baseline"
-    if SHM.is_dir():
-        left = {p.name for p in SHM.iterdir()} - shm
-        assert not left, f"shared region files left behind: {sorted(left)}"
+    # Only this process's names (see `shm_name`): other test runs may share /dev/shm.
+    left = sorted(SHM.glob(f"{_SHM_PREFIX}*")) if SHM.is_dir() else []
+    assert not left, f"shared region files left behind: {left}"
 
 
 @pytest.fixture
 def shm_name(request: pytest.FixtureRequest) -> str:
     """A name for a shared region unique to this test and process."""
-    return f"asyncpin-test-{os.getpid()}-{request.node.name[:60]}".replace("[", "-").replace(
-        "]", ""
-    )
+    return f"{_SHM_PREFIX}{request.node.name[:60]}".replace("[", "-").replace("]", "")
