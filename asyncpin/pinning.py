@@ -145,6 +145,14 @@ class PinScheduler:
                     tg.start_soon(self._prefault_worker, send.clone(), prefault_limiter)
                 for _ in range(self._pin_threads):
                     tg.start_soon(self._pin_worker, receive.clone(), pin_limiter)
+        except Exception as exc:
+            # A bug here must surface through `pinned`, never cancel the host's task group
+            # nor vanish.
+            error = PinError(-1, 0, 0, None, None, f"pin pipeline crashed: {exc!r}")
+            error.__cause__ = exc
+            with self._lock:
+                self.error = self.error or error
+            self._stop.set()
         finally:
             self.finished_at = time.perf_counter()
             self.done.set()
@@ -164,7 +172,13 @@ class PinScheduler:
         async with send:
             for chunk in self._take():
                 if await anyio.to_thread.run_sync(self._prefault_one, chunk, limiter=limiter):
-                    await send.send(chunk)
+                    try:
+                        await send.send(chunk)
+                    except anyio.BrokenResourceError:
+                        # Every pin worker has left because stop() was called (a failure
+                        # or close) while this chunk was being prefaulted: nothing will
+                        # pin it, and it must not crash the task group.
+                        return
 
     async def _pin_worker(
         self, receive: ObjectReceiveStream[Chunk], limiter: anyio.CapacityLimiter
