@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from dataclasses import dataclass
 from types import TracebackType
@@ -116,8 +117,14 @@ class OffloadManager:
         for knob, value in (("prefault_threads", prefault_threads), ("pin_threads", pin_threads)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{knob} must be an int >= 1, got {value!r}")
-        if pin_interval_s < 0:
-            raise ConfigError(f"pin_interval_s must be >= 0, got {pin_interval_s!r}")
+        if (
+            isinstance(pin_interval_s, bool)
+            or not isinstance(pin_interval_s, int | float)
+            or not 0 <= pin_interval_s < math.inf
+        ):
+            raise ConfigError(
+                f"pin_interval_s must be a finite number >= 0, got {pin_interval_s!r}"
+            )
         self._backend = resolve_backend(backend, device)
         # Never ask one backend call for more than the platform takes in one go.
         self._chunk_bytes = min(

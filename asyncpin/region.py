@@ -170,6 +170,8 @@ class HostRegion:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
             raise RegionNotFoundError(name, str(path)) from None
+        except IsADirectoryError:
+            raise ConfigError(f"{path} is a directory, not a shared region") from None
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():

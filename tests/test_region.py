@@ -1,0 +1,489 @@
+"""HostRegion: exact mappings, chunking, views, THP, release, fork safety, shared backing."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import itertools
+import mmap
+import os
+import select
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from asyncpin import ConfigError, OffloadManager, RegionNotFoundError, _sys
+from asyncpin.region import SHM_DIR, Backing, HostRegion
+from asyncpin.testing import is_mapped
+
+PAGE = _sys.PAGE_SIZE
+MIB = 1 << 20
+REPO_ROOT = Path(__file__).resolve().parents[1]
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def vma_containing(address: int) -> tuple[int, int]:
+    """The [start, end) of the mapping in /proc/self/maps that holds ``address``."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
+        if lo <= address < hi:
+            return lo, hi
+    raise AssertionError(f"0x{address:x} is not mapped")
+
+
+def random_fill(view: torch.Tensor) -> bytes:
+    """Fill ``view`` with random bytes that contain no zero (fresh memory is all zeros)."""
+    data = bytes(b | 1 for b in os.urandom(view.numel()))
+    view.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    return data
+
+
+def digest(view: torch.Tensor) -> str:
+    return hashlib.sha256(view.numpy().tobytes()).hexdigest()
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def wait_child(pid: int, timeout_s: float) -> int:
+    """Wait for a forked child with a bound; returns its exit code (killed on timeout)."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        ready, _, _ = select.select([pidfd], [], [], timeout_s)
+        if not ready:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"forked child {pid} did not exit within {timeout_s} s")
+        _, status = os.waitpid(pid, 0)
+        return os.waitstatus_to_exitcode(status)
+    finally:
+        os.close(pidfd)
+
+
+class TestSize:
+    """A region is exactly its size rounded up to a page, and anonymous ones are 2 MiB aligned."""
+
+    @pytest.mark.parametrize(
+        ("asked", "expected"),
+        [
+            (1, PAGE),
+            (PAGE - 1, PAGE),
+            (PAGE, PAGE),
+            (PAGE + 1, 2 * PAGE),
+            (3 * MIB + 5, 3 * MIB + PAGE),
+            (4 * MIB, 4 * MIB),
+        ],
+    )
+    def test_anonymous_size_is_page_rounded_and_exact(self, asked: int, expected: int) -> None:
+        region = HostRegion.create(asked)
+        try:
+            assert region.nbytes == expected
+            # The mapping holding the region is exactly the region: no slack is left
+            # mapped around it (DONTFORK keeps it from merging with neighbours).
+            assert vma_containing(region.address) == (region.address, region.address + expected)
+        finally:
+            region.release()
+
+    @pytest.mark.parametrize("nbytes", [PAGE, 3 * PAGE, 2 * MIB - PAGE, 2 * MIB, 5 * MIB + 7])
+    def test_anonymous_region_starts_at_2mib_boundary(self, nbytes: int) -> None:
+        region = HostRegion.create(nbytes)
+        try:
+            assert region.address % (2 * MIB) == 0
+        finally:
+            region.release()
+
+    def test_shared_size_is_page_rounded(self, shm_name: str) -> None:
+        region = HostRegion.create(PAGE + 1, backing="shared", name=shm_name)
+        try:
+            assert region.nbytes == 2 * PAGE
+            assert (SHM_DIR / shm_name).stat().st_size == 2 * PAGE
+            assert region.is_owner
+        finally:
+            region.release()
+
+
+class TestChunks:
+    """chunks() cuts the region into page-multiple pieces in order; only the last may be short."""
+
+    def test_last_chunk_is_short(self) -> None:
+        region = HostRegion.create(10 * PAGE)
+        try:
+            chunks = region.chunks(4 * PAGE)
+        finally:
+            region.release()
+        assert [(c.index, c.offset, c.nbytes) for c in chunks] == [
+            (0, 0, 4 * PAGE),
+            (1, 4 * PAGE, 4 * PAGE),
+            (2, 8 * PAGE, 2 * PAGE),
+        ]
+
+    @pytest.mark.parametrize(("nbytes", "chunk_bytes"), [(8 * PAGE, 4 * PAGE), (3 * MIB, MIB)])
+    def test_exact_multiple_gives_equal_chunks(self, nbytes: int, chunk_bytes: int) -> None:
+        region = HostRegion.create(nbytes)
+        try:
+            chunks = region.chunks(chunk_bytes)
+        finally:
+            region.release()
+        assert len(chunks) == nbytes // chunk_bytes
+        assert all(c.nbytes == chunk_bytes for c in chunks)
+        assert [c.offset for c in chunks] == list(range(0, nbytes, chunk_bytes))
+
+    def test_chunk_larger_than_region_is_one_chunk(self) -> None:
+        region = HostRegion.create(3 * PAGE)
+        try:
+            chunks = region.chunks(64 * PAGE)
+        finally:
+            region.release()
+        assert [(c.index, c.offset, c.nbytes) for c in chunks] == [(0, 0, 3 * PAGE)]
+
+    def test_chunks_tile_the_region_without_gaps(self) -> None:
+        region = HostRegion.create(37 * PAGE)
+        try:
+            chunks = region.chunks(5 * PAGE)
+        finally:
+            region.release()
+        assert [c.index for c in chunks] == list(range(len(chunks)))
+        assert chunks[0].offset == 0
+        for before, after in itertools.pairwise(chunks):
+            assert after.offset == before.offset + before.nbytes
+        assert sum(c.nbytes for c in chunks) == 37 * PAGE
+        assert chunks[-1].nbytes == 2 * PAGE
+
+    @pytest.mark.parametrize("chunk_bytes", [0, -PAGE, PAGE + 1, PAGE // 2])
+    def test_bad_chunk_size_is_config_error(self, chunk_bytes: int) -> None:
+        region = HostRegion.create(4 * PAGE)
+        try:
+            with pytest.raises(ConfigError, match="multiple of the page size"):
+                region.chunks(chunk_bytes)
+        finally:
+            region.release()
+
+
+class TestView:
+    """view() aliases the mapping: writes through one view are read through another."""
+
+    def test_write_then_read_through_views(self) -> None:
+        region = HostRegion.create(4 * PAGE)
+        try:
+            whole = region.view()
+            assert whole.dtype == torch.uint8
+            assert whole.numel() == region.nbytes
+            assert int(whole.sum()) == 0  # fresh anonymous memory
+            part = region.view(PAGE, 2 * PAGE)
+            assert part.numel() == 2 * PAGE
+            written = random_fill(part)
+            assert region.view(PAGE, 2 * PAGE).numpy().tobytes() == written
+            assert whole[PAGE : 3 * PAGE].numpy().tobytes() == written
+            # Untouched neighbours stay zero.
+            assert int(whole[:PAGE].sum()) == 0
+            assert int(whole[3 * PAGE :].sum()) == 0
+        finally:
+            region.release()
+
+    def test_view_sees_raw_memory(self) -> None:
+        region = HostRegion.create(2 * PAGE)
+        try:
+            ctypes.memmove(region.address + PAGE + 3, b"asyncpin", 8)
+            assert region.view(PAGE + 3, 8).numpy().tobytes() == b"asyncpin"
+            assert region.view(PAGE).numel() == PAGE
+        finally:
+            region.release()
+
+    @pytest.mark.parametrize(
+        ("offset", "nbytes"), [(-1, 1), (0, 0), (0, 3 * PAGE), (2 * PAGE, 1), (PAGE, -PAGE)]
+    )
+    def test_view_outside_region_is_config_error(self, offset: int, nbytes: int) -> None:
+        region = HostRegion.create(2 * PAGE)
+        try:
+            with pytest.raises(ConfigError, match="outside the region"):
+                region.view(offset, nbytes)
+        finally:
+            region.release()
+
+    def test_view_after_release_is_refused(self) -> None:
+        region = HostRegion.create(PAGE)
+        region.release()
+        with pytest.raises(ValueError, match="closed"):
+            region.view()
+        with pytest.raises(ValueError, match="closed"):
+            _ = region.address
+
+
+class TestTransparentHugePages:
+    """An anonymous region with hugepages='thp' is backed by huge pages once prefaulted."""
+
+    def test_prefaulted_thp_region_has_huge_pages(self) -> None:
+        setting = THP_ENABLED.read_text() if THP_ENABLED.exists() else "[never]"
+        if "[never]" in setting:
+            pytest.skip(f"transparent huge pages are disabled here ({setting.strip()})")
+        region = HostRegion.create(8 * MIB, hugepages="thp")
+        try:
+            assert region.hugepage_bytes() == 0  # nothing faulted in yet
+            region.prefault(0, region.nbytes)
+            huge = region.hugepage_bytes()
+            assert 0 < huge <= region.nbytes
+            assert huge % (2 * MIB) == 0
+        finally:
+            region.release()
+        assert region.hugepage_bytes() == 0
+
+    def test_prefault_keeps_data(self) -> None:
+        region = HostRegion.create(4 * MIB)
+        try:
+            written = random_fill(region.view(0, MIB))
+            region.prefault(0, region.nbytes)
+            assert region.view(0, MIB).numpy().tobytes() == written
+        finally:
+            region.release()
+
+
+class TestRelease:
+    """release() unmaps everything but the kept chunks, once; a second call is a no-op."""
+
+    @pytest.mark.parametrize("backing", ["anonymous", "shared"])
+    def test_release_unmaps_and_is_idempotent(self, backing: Backing, shm_name: str) -> None:
+        name = shm_name if backing == "shared" else None
+        region = HostRegion.create(4 * MIB, backing=backing, name=name)
+        address, nbytes = region.address, region.nbytes
+        region.view().fill_(7)
+        assert is_mapped(address, nbytes)
+        region.release()
+        assert region.closed
+        assert not is_mapped(address, PAGE)
+        assert not is_mapped(address + nbytes - PAGE, PAGE)
+        region.release()
+        region.close()
+        assert region.closed
+        assert "closed" in repr(region)
+
+    def test_second_release_does_not_unlink_a_newer_region(self, shm_name: str) -> None:
+        first = HostRegion.create(PAGE, backing="shared", name=shm_name)
+        first.release()
+        assert not (SHM_DIR / shm_name).exists()
+        second = HostRegion.create(PAGE, backing="shared", name=shm_name)
+        try:
+            first.release()
+            assert (SHM_DIR / shm_name).exists()
+        finally:
+            second.release()
+        assert not (SHM_DIR / shm_name).exists()
+
+    @pytest.mark.parametrize("kept", [0, 1, 3])
+    def test_release_keeps_only_the_kept_chunk(self, kept: int) -> None:
+        region = HostRegion.create(3 * MIB + 2 * PAGE)
+        chunks = region.chunks(MIB)
+        assert len(chunks) == 4 and chunks[3].nbytes == 2 * PAGE
+        address = region.address
+        keep = chunks[kept]
+        written = random_fill(region.view(keep.offset, keep.nbytes))
+        region.release(keep=[keep])
+        try:
+            assert region.closed
+            assert is_mapped(address + keep.offset, keep.nbytes)
+            for chunk in chunks:
+                if chunk is not keep:
+                    assert not is_mapped(address + chunk.offset, PAGE), chunk
+                    assert not is_mapped(address + chunk.offset + chunk.nbytes - PAGE, PAGE)
+            # The kept chunk still holds its data (it was leaked, not freed).
+            assert ctypes.string_at(address + keep.offset, keep.nbytes) == written
+        finally:
+            _sys.libc_munmap(address + keep.offset, keep.nbytes)
+        assert not is_mapped(address + keep.offset, PAGE)
+
+    def test_release_keeps_several_chunks(self) -> None:
+        region = HostRegion.create(4 * MIB)
+        chunks = region.chunks(MIB)
+        address = region.address
+        keep = [chunks[2], chunks[0]]  # out of order on purpose
+        region.release(keep=keep)
+        try:
+            assert is_mapped(address, MIB)
+            assert not is_mapped(address + MIB, PAGE)
+            assert is_mapped(address + 2 * MIB, MIB)
+            assert not is_mapped(address + 3 * MIB, PAGE)
+        finally:
+            for chunk in keep:
+                _sys.libc_munmap(address + chunk.offset, chunk.nbytes)
+
+
+class TestDontFork:
+    """A forked child does not inherit the region (MADV_DONTFORK); the parent's data is intact."""
+
+    @pytest.mark.parametrize("backing", ["anonymous", "shared"])
+    def test_child_of_fork_cannot_see_region(self, backing: Backing, shm_name: str) -> None:
+        name = shm_name if backing == "shared" else None
+        region = HostRegion.create(4 * MIB, backing=backing, name=name)
+        # A control mapping without DONTFORK proves the child's check can say "mapped".
+        control = _sys.libc_mmap(
+            MIB, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        )
+        try:
+            address, nbytes = region.address, region.nbytes
+            random_fill(region.view())
+            before = digest(region.view())
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - runs in the child
+                code = 3
+                try:
+                    region_gone = not is_mapped(address, PAGE) and not is_mapped(
+                        address + nbytes - PAGE, PAGE
+                    )
+                    code = 0 if region_gone and is_mapped(control, MIB) else 1
+                finally:
+                    os._exit(code)
+            assert wait_child(pid, timeout_s=30) == 0
+            assert is_mapped(address, nbytes)
+            assert digest(region.view()) == before
+        finally:
+            _sys.libc_munmap(control, MIB)
+            region.release()
+
+
+CHILD_ATTACH = """
+import hashlib, sys
+import anyio, torch
+from asyncpin import OffloadManager
+
+async def main() -> None:
+    name = sys.argv[1]
+    new = bytearray(sys.stdin.buffer.read())
+    async with OffloadManager.attached(name, backend="host", chunk_bytes=1 << 20) as mgr:
+        with anyio.fail_after(60):
+            await mgr.pinned
+        view = mgr.host_view()
+        # structlog's default logger also prints to stdout: mark the answer.
+        print("RESULT", mgr.nbytes, hashlib.sha256(view.numpy().tobytes()).hexdigest(), flush=True)
+        view.copy_(torch.frombuffer(new, dtype=torch.uint8))
+
+anyio.run(main)
+"""
+
+
+class TestSharedBacking:
+    """A shared region is seen by other processes by name, and only its creator unlinks it."""
+
+    async def test_another_process_reads_and_writes(self, shm_name: str) -> None:
+        path = SHM_DIR / shm_name
+        nbytes = 4 * MIB
+        async with OffloadManager(
+            nbytes, backend="host", backing="shared", name=shm_name, chunk_bytes=MIB
+        ) as mgr:
+            with anyio.fail_after(60):
+                await mgr.pinned
+            view = mgr.host_view()
+            ours = random_fill(view)
+            theirs = bytes(b | 1 for b in os.urandom(nbytes))
+            assert theirs != ours
+            with anyio.fail_after(120):
+                result = await anyio.run_process(
+                    [sys.executable, "-c", CHILD_ATTACH, shm_name],
+                    input=theirs,
+                    env=child_env(),
+                    check=False,
+                )
+            assert result.returncode == 0, result.stderr.decode()
+            answers = [
+                line.split()[1:]
+                for line in result.stdout.decode().splitlines()
+                if line.startswith("RESULT ")
+            ]
+            assert len(answers) == 1, result.stdout.decode()
+            child_nbytes, child_digest = answers[0]
+            assert int(child_nbytes) == nbytes
+            assert child_digest == hashlib.sha256(ours).hexdigest()
+            # The child's bytes arrived, and the attacher's close did not unlink the file.
+            assert digest(view) == hashlib.sha256(theirs).hexdigest()
+            assert path.exists()
+        assert not path.exists()
+
+    async def test_file_is_unlinked_when_the_body_raised(self, shm_name: str) -> None:
+        path = SHM_DIR / shm_name
+
+        class Boom(Exception):
+            pass
+
+        # The body's own exception comes out unchanged (not wrapped in an ExceptionGroup).
+        with pytest.raises(Boom):
+            async with OffloadManager(MIB, backend="host", backing="shared", name=shm_name) as mgr:
+                assert path.exists()
+                assert mgr.region_name == shm_name
+                raise Boom
+        assert not path.exists()
+
+    async def test_attacher_close_keeps_file_and_creator_sees_its_writes(
+        self, shm_name: str
+    ) -> None:
+        path = SHM_DIR / shm_name
+        async with OffloadManager(
+            2 * MIB, backend="host", backing="shared", name=shm_name
+        ) as creator:
+            async with OffloadManager.attached(shm_name, backend="host") as attacher:
+                assert attacher.nbytes == creator.nbytes
+                written = random_fill(attacher.host_view())
+                with anyio.fail_after(60):
+                    await attacher.pinned
+            assert path.exists()
+            assert creator.host_view().numpy().tobytes() == written
+        assert not path.exists()
+
+    def test_attached_region_outlives_creator_unlink(self, shm_name: str) -> None:
+        path = SHM_DIR / shm_name
+        creator = HostRegion.create(MIB, backing="shared", name=shm_name)
+        attacher = HostRegion.attach(shm_name)
+        try:
+            assert not attacher.is_owner
+            assert attacher.nbytes == creator.nbytes
+            assert attacher.address != creator.address
+            written = random_fill(creator.view())
+            assert attacher.view().numpy().tobytes() == written
+            attacher.release()
+            assert path.exists()
+            attacher = HostRegion.attach(shm_name)
+            creator.release()
+            assert not path.exists()
+            # The attacher's mapping stays valid after the name is gone.
+            assert attacher.view().numpy().tobytes() == written
+        finally:
+            attacher.release()
+            creator.release()
+
+    async def test_creating_an_existing_name_is_config_error(self, shm_name: str) -> None:
+        path = SHM_DIR / shm_name
+        async with OffloadManager(MIB, backend="host", backing="shared", name=shm_name) as mgr:
+            written = random_fill(mgr.host_view())
+            second = OffloadManager(MIB, backend="host", backing="shared", name=shm_name)
+            with pytest.raises(ConfigError, match="already exists") as info:
+                async with second:
+                    pass
+            assert isinstance(info.value, ValueError)
+            assert shm_name in str(info.value)
+            # The failed creator did not unlink or clobber the first one's file.
+            assert path.exists()
+            assert mgr.host_view().numpy().tobytes() == written
+        assert not path.exists()
+
+    def test_creating_over_a_foreign_file_leaves_it_alone(self, shm_name: str) -> None:
+        path = SHM_DIR / shm_name
+        path.write_bytes(b"not asyncpin")
+        try:
+            with pytest.raises(ConfigError, match="already exists"):
+                HostRegion.create(MIB, backing="shared", name=shm_name)
+            assert path.read_bytes() == b"not asyncpin"
+        finally:
+            path.unlink()
+
+    async def test_attach_to_missing_name_is_region_not_found(self, shm_name: str) -> None:
+        with pytest.raises(RegionNotFoundError) as info:
+            async with OffloadManager.attached(shm_name, backend="host"):
+                pass
+        assert isinstance(info.value, FileNotFoundError)
+        assert info.value.name == shm_name
+        assert "no shared region named" in str(info.value)
+        with pytest.raises(FileNotFoundError):
+            HostRegion.attach(shm_name)
