@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+import os
 import time
 from dataclasses import dataclass
 from types import TracebackType
@@ -24,9 +25,24 @@ from asyncpin.gate import PausedContext, PauseGate
 from asyncpin.pinning import PinnedSignal, PinScheduler
 from asyncpin.region import Backing, HostRegion, HugePages, validate_nbytes
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "ManagerState", "ManagerStats", "OffloadManager"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "ManagerState",
+    "ManagerStats",
+    "OffloadManager",
+    "default_prefault_threads",
+]
 
 DEFAULT_CHUNK_BYTES = 256 << 20
+
+
+def default_prefault_threads() -> int:
+    """Up to 8 fault threads, always leaving one core to the event loop: on a 2-core VM,
+    2 threads faulting cold huge pages stalled the loop for ~0.5 s (bench/RESULTS.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(8, (cores or 1) - 1))
+
+
 _ids = itertools.count(1)
 
 
@@ -90,7 +106,7 @@ class OffloadManager:
         backing: Backing = "anonymous",
         name: str | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        prefault_threads: int = 4,
+        prefault_threads: int | None = None,
         pin_threads: int = 1,
         pin_interval_s: float = 0.0,
         hugepages: HugePages = "thp",
@@ -114,6 +130,8 @@ class OffloadManager:
                 f"chunk_bytes={chunk_bytes!r} must be a positive multiple of the page size "
                 f"({_sys.PAGE_SIZE})"
             )
+        if prefault_threads is None:
+            prefault_threads = default_prefault_threads()
         for knob, value in (("prefault_threads", prefault_threads), ("pin_threads", pin_threads)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{knob} must be an int >= 1, got {value!r}")

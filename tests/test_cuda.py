@@ -242,6 +242,7 @@ class TestDemoOnGpu:
             check=False,
         )
         assert out.returncode == 0, out.stderr
-        stats = json.loads(out.stdout)
-        assert stats["backend"] == "cuda"
-        assert stats["state"] == "closed"
+        report = json.loads(out.stdout)
+        assert report["stats"]["backend"] == "cuda"
+        assert report["stats"]["state"] == "closed"
+        assert report["at_pinned"]["pinned_bytes"] == report["at_pinned"]["nbytes"]

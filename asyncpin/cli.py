@@ -1,0 +1,512 @@
+"""Command line: ``python -m asyncpin demo`` maps a buffer, pins it in the background while
+showing progress, reports how long entry and pinning took, and closes.
+
+This module is an application of the library, so it is the one place that configures
+structlog (warnings and above to stderr; ``--verbose`` for info). Exit codes: 0 on
+success; 1 with one line ``asyncpin demo: error: <message>`` on stderr for an asyncpin or
+OS error; 2 for bad arguments (one line too); 130 after SIGINT (143 after SIGTERM), once
+the manager has closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import signal
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, NoReturn, TextIO
+
+import anyio
+import structlog
+from anyio import CancelScope
+from anyio.abc import TaskStatus
+
+from asyncpin import _sys
+from asyncpin.backends import BACKEND_NAMES, PinBackend, resolve_backend
+from asyncpin.errors import AsyncpinError
+from asyncpin.manager import (
+    DEFAULT_CHUNK_BYTES,
+    ManagerStats,
+    OffloadManager,
+    default_prefault_threads,
+)
+
+__all__ = ["DEFAULT_MAX_BYTES", "default_nbytes", "format_bytes", "main", "parse_size"]
+
+PROG = "asyncpin"
+DEFAULT_MAX_BYTES = 4 << 30
+_GIB = 1 << 30
+_REFRESH_S = 0.1
+_EXIT_ERROR = 1
+_EXIT_USAGE = 2
+_SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+# -- sizes --------------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``'536870912'``, ``'512MiB'``, ``'2GiB'``, ``'1.5g'`` or ``'4GB'``.
+
+    K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024; KB/MB/GB/TB powers of 1000. Raises
+    ValueError (with a message that says what is accepted) for anything else, for zero,
+    and for fractions that are not whole bytes.
+    """
+    match = _SIZE_RE.match(text)
+    unit: str = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"invalid size {text!r}: give bytes or a number with a unit "
+            "(KiB, MiB, GiB, TiB; KB, MB, GB, TB), e.g. 512MiB or 2GiB"
+        )
+    number: str = match.group(1)
+    whole, _, frac = number.partition(".")
+    scale: int = 10 ** len(frac)
+    numerator = (int(whole) * scale + int(frac or "0")) * _UNITS[unit]
+    if numerator % scale:
+        raise ValueError(f"invalid size {text!r}: not a whole number of bytes")
+    nbytes = numerator // scale
+    if nbytes <= 0:
+        raise ValueError(f"invalid size {text!r}: must be more than 0 bytes")
+    return nbytes
+
+
+def format_bytes(nbytes: int | float) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
+
+
+def default_nbytes(
+    *,
+    backend: str,
+    mem_available: int,
+    memlock_limit: int | None,
+    locked_bytes: int,
+    has_cap_ipc_lock: bool,
+    page_size: int = _sys.PAGE_SIZE,
+) -> tuple[int, str | None]:
+    """The demo's buffer size when ``--size`` is not given, and a note if it was capped.
+
+    ``min(4 GiB, MemAvailable / 4)``; for the host backend without CAP_IPC_LOCK under a
+    finite RLIMIT_MEMLOCK, no more than what is left of that limit. Rounded down to a
+    page multiple; 0 means nothing can be pinned (the caller reports it).
+    """
+    nbytes = min(DEFAULT_MAX_BYTES, mem_available // 4)
+    note = None
+    if backend == "host" and not has_cap_ipc_lock and memlock_limit is not None:
+        allowance = max(memlock_limit - locked_bytes, 0)
+        if allowance < nbytes:
+            nbytes = allowance
+            note = (
+                f"note: buffer capped at {format_bytes(nbytes // page_size * page_size)}, what "
+                f"is left of RLIMIT_MEMLOCK ({format_bytes(memlock_limit)}); raise it with "
+                "`ulimit -l unlimited` (docker: --ulimit memlock=-1; systemd: "
+                "LimitMEMLOCK=infinity) or grant CAP_IPC_LOCK"
+            )
+    return nbytes // page_size * page_size, note
+
+
+# -- arguments ----------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line (``<prog>: error: <why>``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(_EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="asyncpin: a pinned host-memory tier for KV caches")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo = commands.add_parser(
+        "demo",
+        help="map a buffer, pin it in the background with progress, report, close",
+        description=(
+            "Map a host buffer, pin it in the background while showing progress, then "
+            "report time to enter vs time to pinned, GiB/s, huge pages and close time."
+        ),
+    )
+    demo.add_argument(
+        "--size",
+        type=_size_arg,
+        default=None,
+        help="buffer size: bytes or e.g. 512MiB, 2GiB (default: min(4 GiB, MemAvailable/4), "
+        "and within RLIMIT_MEMLOCK for the host backend without CAP_IPC_LOCK)",
+    )
+    demo.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
+    demo.add_argument(
+        "--chunk-mib",
+        type=_positive_int,
+        default=DEFAULT_CHUNK_BYTES >> 20,
+        help="chunk size in MiB (default: %(default)s)",
+    )
+    demo.add_argument("--backing", choices=("anonymous", "shared"), default="anonymous")
+    demo.add_argument(
+        "--name", default=None, help="name in /dev/shm for --backing shared (default: a fresh one)"
+    )
+    demo.add_argument(
+        "--prefault-threads",
+        type=_positive_int,
+        default=default_prefault_threads(),
+        help="threads that fault pages in (default: %(default)s: up to 8, leaving a core to "
+        "the event loop)",
+    )
+    demo.add_argument(
+        "--pin-threads", type=_positive_int, default=1, help="threads that pin (default: 1)"
+    )
+    demo.add_argument(
+        "--json", action="store_true", help="print the final stats as JSON instead of a table"
+    )
+    demo.add_argument("--verbose", "-v", action="store_true", help="log at info level")
+    return parser
+
+
+# -- logging ------------------------------------------------------------------------------
+
+
+def configure_logging(*, verbose: bool, stream: TextIO) -> None:
+    """The application's logging setup: the library itself never configures structlog."""
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False),
+            structlog.dev.ConsoleRenderer(colors=stream.isatty()),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.INFO if verbose else logging.WARNING
+        ),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        cache_logger_on_first_use=False,
+    )
+
+
+# -- the demo -----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """What the demo saw; filled in as it goes so an interrupted run can still report."""
+
+    manager: OffloadManager | None = None
+    at_pinned: ManagerStats | None = None
+    signal: int | None = None
+
+
+async def _cancel_on_signal(
+    scope: CancelScope, outcome: _Outcome, *, task_status: TaskStatus[None]
+) -> None:
+    # Our own handler rather than asyncio.Runner's: a second Ctrl-C must not interrupt
+    # the close, and the exit code must say which signal ended the run.
+    with anyio.open_signal_receiver(*_SIGNAL_EXIT) as signals:
+        task_status.started()
+        async for signum in signals:
+            if outcome.signal is None:
+                outcome.signal = int(signum)
+                scope.cancel()
+
+
+async def _pin_and_close(
+    args: argparse.Namespace, backend: PinBackend, nbytes: int, outcome: _Outcome, report: _Report
+) -> None:
+    name = args.name
+    if args.backing == "shared" and name is None:
+        name = f"asyncpin-demo-{os.getpid()}"
+    mgr = OffloadManager(
+        nbytes,
+        backend=backend,
+        backing=args.backing,
+        name=name,
+        chunk_bytes=args.chunk_mib << 20,
+        prefault_threads=args.prefault_threads,
+        pin_threads=args.pin_threads,
+    )
+    outcome.manager = mgr
+    async with mgr:
+        report.entered(mgr.stats())
+        with report.progress(mgr.nbytes) as update:
+            while not mgr.pinned.is_set():
+                with anyio.move_on_after(_REFRESH_S):
+                    await mgr.pinned
+                update(mgr.stats().pinned_bytes)
+        await mgr.pinned  # raises the PinError if pinning failed
+        outcome.at_pinned = mgr.stats()
+
+
+async def _demo(
+    args: argparse.Namespace, backend: PinBackend, nbytes: int, report: _Report
+) -> _Outcome:
+    outcome = _Outcome()
+    async with anyio.create_task_group() as tg:
+        await tg.start(_cancel_on_signal, tg.cancel_scope, outcome)
+        try:
+            await _pin_and_close(args, backend, nbytes, outcome, report)
+        finally:
+            tg.cancel_scope.cancel()
+    return outcome
+
+
+class _Report:
+    """Human output (rich, on stdout) or JSON (stdout, nothing else there)."""
+
+    def __init__(self, *, as_json: bool) -> None:
+        self.as_json = as_json
+        self._console: Any = None
+        if not as_json:
+            from rich.console import Console
+
+            self._console = Console(highlight=False)
+
+    def note(self, text: str) -> None:
+        print(f"{PROG} demo: {text}", file=sys.stderr)
+
+    def started(self, backend: PinBackend, nbytes: int, args: argparse.Namespace) -> None:
+        if self._console is None:
+            return
+        self._console.print(
+            f"[bold]asyncpin demo[/]: backend [cyan]{backend.name}[/], "
+            f"{format_bytes(nbytes)} {args.backing}, chunks of {args.chunk_mib} MiB, "
+            f"{args.prefault_threads} prefault / {args.pin_threads} pin threads",
+            soft_wrap=True,
+        )
+
+    def entered(self, stats: ManagerStats) -> None:
+        if self._console is None:
+            return
+        enter_ms = (stats.seconds_to_enter or 0.0) * 1e3
+        self._console.print(
+            f"entered in {enter_ms:.2f} ms; "
+            f"pinning {_chunks(stats.chunks_total)} in the background",
+            soft_wrap=True,
+        )
+
+    def progress(self, nbytes: int) -> _ProgressContext:
+        return _ProgressContext(self._console, nbytes)
+
+    def finished(self, outcome: _Outcome) -> None:
+        assert outcome.manager is not None and outcome.at_pinned is not None
+        final = outcome.manager.stats()
+        pinned = outcome.at_pinned
+        ratio = _ratio(pinned.seconds_to_pinned, pinned.seconds_to_enter)
+        locked_after = _sys.vm_locked_bytes()
+        if self.as_json:
+            doc = {
+                "stats": asdict(final),
+                "at_pinned": asdict(pinned),
+                "pinned_over_enter": ratio,
+                "vm_locked_bytes_after_close": locked_after,
+            }
+            print(json.dumps(doc, indent=2))
+            return
+        from rich.table import Table
+
+        table = Table(title="asyncpin demo", show_header=True, header_style="bold")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        for figure, value in _rows(final, pinned, ratio, locked_after):
+            table.add_row(figure, value)
+        self._console.print(table)
+
+
+class _ProgressContext:
+    """A rich progress bar over pinned bytes; a no-op without a console."""
+
+    def __init__(self, console: Any, nbytes: int) -> None:
+        self._console = console
+        self._nbytes = nbytes
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> Callable[[int], None]:
+        if self._console is None:
+            return lambda _done: None
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TransferSpeedColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("pinning"),
+            BarColumn(),
+            DownloadColumn(binary_units=True),
+            TransferSpeedColumn(),
+            TimeElapsedColumn(),
+            console=self._console,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task("pinning", total=self._nbytes)
+        return self._update
+
+    def _update(self, done: int) -> None:
+        self._progress.update(self._task, completed=done)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def _chunks(count: int) -> str:
+    return f"{count} chunk" if count == 1 else f"{count} chunks"
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1e3:.2f} ms" if value < 1 else f"{value:.3f} s"
+
+
+def _rows(
+    final: ManagerStats, pinned: ManagerStats, ratio: float | None, locked_after: int
+) -> Iterator[tuple[str, str]]:
+    yield "backend / backing", f"{final.backend} / {final.backing}"
+    yield "buffer", f"{format_bytes(final.nbytes)} in {_chunks(final.chunks_total)}"
+    yield "time to enter", _seconds(pinned.seconds_to_enter)
+    yield "time to pinned", _seconds(pinned.seconds_to_pinned)
+    yield "pinned / enter", f"{ratio:,.0f}x" if ratio is not None else "-"
+    gib_s = pinned.pin_gib_per_s
+    yield "pinning speed", f"{gib_s:.2f} GiB/s" if gib_s is not None else "-"
+    huge = pinned.hugepage_bytes
+    yield "huge pages", format_bytes(huge) if huge is not None else "-"
+    yield "close time", _seconds(final.close_seconds)
+    yield "state / leaked chunks", f"{final.state} / {final.chunks_leaked}"
+    yield "locked after close (VmLck)", format_bytes(locked_after)
+
+
+# -- entry ---------------------------------------------------------------------------------
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
+
+
+def _one_line(exc: BaseException) -> str:
+    leaves = list(_leaves(exc))
+    main_exc = next((e for e in leaves if isinstance(e, AsyncpinError | OSError)), leaves[0])
+    text = " ".join(str(main_exc).split()) or type(main_exc).__name__
+    others = sorted({type(e).__name__ for e in leaves if e is not main_exc})
+    return text + (f" [also raised: {', '.join(others)}]" if others else "")
+
+
+def _is_reportable(exc: BaseException) -> bool:
+    return any(isinstance(e, AsyncpinError | OSError) for e in _leaves(exc))
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    report = _Report(as_json=args.json)
+    backend = resolve_backend(args.backend)
+    if args.size is not None:
+        nbytes = args.size
+    else:
+        nbytes, note = default_nbytes(
+            backend=backend.name,
+            mem_available=_sys.mem_available_bytes(),
+            memlock_limit=_sys.memlock_limit_bytes(),
+            locked_bytes=_sys.vm_locked_bytes(),
+            has_cap_ipc_lock=_sys.has_cap_ipc_lock(),
+        )
+        if note is not None:
+            report.note(note)
+        if nbytes <= 0:
+            report.note(
+                "error: no memory can be pinned: RLIMIT_MEMLOCK is used up; raise it with "
+                "`ulimit -l unlimited` or grant CAP_IPC_LOCK"
+            )
+            return _EXIT_ERROR
+    report.started(backend, nbytes, args)
+    outcome = anyio.run(_demo, args, backend, nbytes, report)
+    if outcome.signal is not None:
+        stats = outcome.manager.stats() if outcome.manager is not None else None
+        closed = (
+            f"; manager {stats.state} after {_seconds(stats.close_seconds)} with "
+            f"{format_bytes(stats.pinned_bytes)} still pinned"
+            if stats is not None
+            else ""
+        )
+        report.note(f"interrupted by {signal.Signals(outcome.signal).name}{closed}")
+        return _SIGNAL_EXIT[signal.Signals(outcome.signal)]
+    report.finished(outcome)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (see the module docstring)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help and on usage errors
+        return exc.code if isinstance(exc.code, int) else _EXIT_USAGE
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return _EXIT_USAGE
+    if args.name is not None and args.backing != "shared":
+        print(f"{PROG} demo: error: --name needs --backing shared (see --help)", file=sys.stderr)
+        return _EXIT_USAGE
+    configure_logging(verbose=args.verbose, stream=sys.stderr)
+    try:
+        return _run_demo(args)
+    except KeyboardInterrupt:
+        # Only reachable outside the demo's own signal handling (before or after the
+        # manager's lifetime), so there is nothing left open.
+        print(f"{PROG} demo: interrupted", file=sys.stderr)
+        return _SIGNAL_EXIT[signal.SIGINT]
+    except BaseException as exc:
+        if isinstance(exc, Exception) and _is_reportable(exc):
+            print(f"{PROG} demo: error: {_one_line(exc)}", file=sys.stderr)
+            return _EXIT_ERROR
+        raise

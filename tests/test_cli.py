@@ -1,0 +1,263 @@
+"""The command line: ``python -m asyncpin demo`` in a subprocess, and its pure helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncpin.cli import default_nbytes, parse_size
+
+REPO = Path(__file__).resolve().parents[1]
+MiB, GiB = 1 << 20, 1 << 30
+TIMEOUT_S = 120
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def demo(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "asyncpin", "demo", *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=REPO,
+        timeout=TIMEOUT_S,
+    )
+
+
+def one_error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got: {stderr!r}"
+    assert lines[0].startswith("asyncpin demo: error: "), lines[0]
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+class TestDemoPinsAndCloses:
+    """`demo` pins the whole buffer, closes it, gives every lock back and exits 0."""
+
+    def test_json_stats(self) -> None:
+        proc = demo("--size", "64MiB", "--backend", "host", "--json")
+        assert proc.returncode == 0, proc.stderr
+        doc: dict[str, Any] = json.loads(proc.stdout)
+        stats, at_pinned = doc["stats"], doc["at_pinned"]
+        assert at_pinned["nbytes"] == 64 * MiB
+        assert at_pinned["pinned_bytes"] == at_pinned["nbytes"]
+        assert at_pinned["chunks_pinned"] == at_pinned["chunks_total"]
+        assert at_pinned["state"] == "open"
+        assert stats["state"] == "closed"
+        assert stats["pinned_bytes"] == 0, "every chunk is unpinned by close"
+        assert stats["chunks_leaked"] == 0
+        assert stats["error"] is None
+        assert stats["seconds_to_enter"] is not None and stats["seconds_to_pinned"] is not None
+        assert stats["close_seconds"] is not None
+        assert doc["vm_locked_bytes_after_close"] == 0
+
+    def test_table(self) -> None:
+        proc = demo("--size", "16MiB", "--backend", "host", "--chunk-mib", "4")
+        assert proc.returncode == 0, proc.stderr
+        for figure in ("time to enter", "time to pinned", "pinning speed", "close time"):
+            assert figure in proc.stdout
+        assert "4 chunks" in proc.stdout
+
+    def test_shared_backing_unlinks(self, shm_name: str) -> None:
+        proc = demo(
+            "--size", "8MiB", "--backend", "host", "--backing", "shared", "--name", shm_name,
+            "--json",
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["stats"]["backing"] == "shared"
+        assert not (Path("/dev/shm") / shm_name).exists()
+
+
+class TestDemoErrors:
+    """Bad input and unavailable backends exit non-zero with one line on stderr."""
+
+    @pytest.mark.parametrize("size", ["12XB", "0", "0.3KiB"])
+    def test_bad_size(self, size: str) -> None:
+        proc = demo(f"--size={size}", "--backend", "host")
+        assert proc.returncode == 2
+        line = one_error_line(proc.stderr)
+        assert "--size" in line
+
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+    def test_cuda_without_gpu(self) -> None:
+        proc = demo("--size", "64MiB", "--backend", "cuda")
+        assert proc.returncode == 1
+        assert "cuda" in one_error_line(proc.stderr)
+
+    def test_name_needs_shared(self) -> None:
+        proc = demo("--size", "8MiB", "--backend", "host", "--name", "x")
+        assert proc.returncode == 2
+        assert "--backing shared" in one_error_line(proc.stderr)
+
+    def test_too_big_for_memory(self) -> None:
+        proc = demo("--size", "1TiB", "--backend", "host")
+        assert proc.returncode == 1
+        assert "memory" in one_error_line(proc.stderr)
+
+
+def _can_drop_ipc_lock() -> bool:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return (
+        os.geteuid() == 0
+        and shutil.which("setpriv") is not None
+        and soft != resource.RLIM_INFINITY
+        and 0 < soft < 256 * MiB
+    )
+
+
+DROP_IPC_LOCK = ("setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock")
+
+
+@pytest.mark.skipif(
+    not _can_drop_ipc_lock(), reason="needs root, setpriv and a small finite RLIMIT_MEMLOCK"
+)
+class TestMemlockLimit:
+    """Without CAP_IPC_LOCK the default buffer fits RLIMIT_MEMLOCK and says so."""
+
+    def test_default_size_is_capped(self) -> None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        proc = demo("--backend", "host", "--json", prefix=DROP_IPC_LOCK)
+        assert proc.returncode == 0, proc.stderr
+        assert "RLIMIT_MEMLOCK" in proc.stderr and "ulimit -l" in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+        at_pinned = json.loads(proc.stdout)["at_pinned"]
+        assert 0 < at_pinned["nbytes"] <= soft
+        assert at_pinned["pinned_bytes"] == at_pinned["nbytes"]
+
+    def test_explicit_size_over_limit(self) -> None:
+        proc = demo("--backend", "host", "--size", "256MiB", prefix=DROP_IPC_LOCK)
+        assert proc.returncode == 1
+        assert "memlock" in one_error_line(proc.stderr)
+
+
+class TestInterrupt:
+    """SIGINT while pinning closes the manager and exits 130 with one line on stderr."""
+
+    def test_sigint_mid_pinning(self) -> None:
+        # One slow prefault thread and small chunks keep a 2 GiB pin going for a while;
+        # the signal is sent once the demo says it has entered (no sleeps).
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "asyncpin", "demo", "--backend", "host",
+                "--size", "2GiB", "--chunk-mib", "16", "--prefault-threads", "1",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+            cwd=REPO,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.startswith("entered"):
+                    break
+            proc.send_signal(signal.SIGINT)
+            _out, err = proc.communicate(timeout=TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if proc.returncode == 0:
+            pytest.skip("pinning finished before the signal arrived")
+        assert proc.returncode == 130, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in err, err
+        assert "interrupted by SIGINT" in lines[0]
+        assert "manager closed" in lines[0]
+        assert "0 B still pinned" in lines[0]
+
+
+class TestParseSize:
+    """--size takes bytes or a number with a binary (KiB...) or decimal (KB...) unit."""
+
+    @pytest.mark.parametrize(
+        ("text", "nbytes"),
+        [
+            ("4096", 4096),
+            ("512MiB", 512 * MiB),
+            ("2GiB", 2 * GiB),
+            ("2gib", 2 * GiB),
+            ("1.5GiB", 3 * GiB // 2),
+            ("64m", 64 * MiB),
+            ("1 GB", 10**9),
+            ("10B", 10),
+        ],
+    )
+    def test_accepts(self, text: str, nbytes: int) -> None:
+        assert parse_size(text) == nbytes
+
+    @pytest.mark.parametrize("text", ["", "GiB", "12XB", "-1", "0", "0MiB", "1.5", "1e9"])
+    def test_rejects(self, text: str) -> None:
+        with pytest.raises(ValueError, match="invalid size"):
+            parse_size(text)
+
+
+class TestDefaultSize:
+    """The default buffer is min(4 GiB, MemAvailable/4), within the memlock allowance."""
+
+    def test_quarter_of_available(self) -> None:
+        nbytes, note = default_nbytes(
+            backend="host",
+            mem_available=8 * GiB + 123,
+            memlock_limit=None,
+            locked_bytes=0,
+            has_cap_ipc_lock=False,
+        )
+        assert (nbytes, note) == (2 * GiB, None)
+
+    def test_at_most_4_gib(self) -> None:
+        nbytes, _ = default_nbytes(
+            backend="cuda",
+            mem_available=1 << 40,
+            memlock_limit=8 * MiB,
+            locked_bytes=0,
+            has_cap_ipc_lock=False,
+        )
+        assert nbytes == 4 * GiB
+
+    def test_capped_by_memlock(self) -> None:
+        nbytes, note = default_nbytes(
+            backend="host",
+            mem_available=24 * GiB,
+            memlock_limit=8 * MiB + 100,
+            locked_bytes=4096 + 50,
+            has_cap_ipc_lock=False,
+            page_size=4096,
+        )
+        assert nbytes == 8 * MiB - 4096
+        assert note is not None and "RLIMIT_MEMLOCK" in note and "ulimit -l" in note
+
+    def test_capability_lifts_the_cap(self) -> None:
+        nbytes, note = default_nbytes(
+            backend="host",
+            mem_available=24 * GiB,
+            memlock_limit=8 * MiB,
+            locked_bytes=0,
+            has_cap_ipc_lock=True,
+        )
+        assert (nbytes, note) == (4 * GiB, None)
+
+    def test_limit_used_up(self) -> None:
+        nbytes, note = default_nbytes(
+            backend="host",
+            mem_available=24 * GiB,
+            memlock_limit=8 * MiB,
+            locked_bytes=9 * MiB,
+            has_cap_ipc_lock=False,
+        )
+        assert nbytes == 0 and note is not None
