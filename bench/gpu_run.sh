@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One pass on the GPU machine: install the carried wheels, run every test (CUDA ones
+# included), the demo, and the CUDA pinning bench. Writes logs and JSON under $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/asyncpin-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+python3 -c "import torch, pytest; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'pytest', pytest.__version__)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+uname -r; cat /sys/kernel/mm/transparent_hugepage/enabled; nproc; free -g | head -2
+
+steps=${STEPS:-tests demo bench}
+for step in $steps; do
+  case $step in
+    tests)
+      timeout 420 python3 -m pytest -p pytest_asyncio.plugin -q -rs ${PYTEST_ARGS:-} \
+        --junitxml "$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+    demo)
+      timeout 120 python3 -m asyncpin demo --size 8GiB --json > "$OUT/demo.json" 2> "$OUT/demo.err"
+      echo "demo rc=$?"; head -c 1500 "$OUT/demo.json"; echo ;;
+    bench)
+      timeout 400 python3 bench/cuda_pinning.py --size 16GiB --big ${BIG:-64GiB} \
+        --json-out "$OUT/cuda_pinning.json" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+  esac
+done
