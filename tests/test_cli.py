@@ -23,7 +23,8 @@ TIMEOUT_S = 120
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def demo(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:

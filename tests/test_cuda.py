@@ -232,7 +232,9 @@ class TestDemoOnGpu:
     """`python -m asyncpin demo` picks the GPU when there is one."""
 
     def test_demo_uses_cuda(self) -> None:
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+        repo = str(Path(__file__).parents[1])
+        path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, PYTHONPATH=path)
         out = subprocess.run(
             [sys.executable, "-m", "asyncpin", "demo", "--size", "1GiB", "--json"],
             capture_output=True,
