@@ -274,6 +274,7 @@ async def _pin_and_close(
                     await mgr.pinned
                 update(mgr.stats().pinned_bytes)
         await mgr.pinned  # raises the PinError if pinning failed
+        await mgr.measure_hugepages()
         outcome.at_pinned = mgr.stats()
 
 

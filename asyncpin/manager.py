@@ -33,7 +33,10 @@ __all__ = [
     "default_prefault_threads",
 ]
 
-DEFAULT_CHUNK_BYTES = 256 << 20
+# Measured on the H200 (bench/RESULTS.md): 16 MiB chunks keep each cudaHostRegister short
+# enough that a concurrent 24 ms GPU step stretches by ~15% at most, at full pinning speed;
+# 256 MiB chunks stretched it 2.6x.
+DEFAULT_CHUNK_BYTES = 16 << 20
 
 
 def default_prefault_threads() -> int:
@@ -279,13 +282,8 @@ class OffloadManager:
         elif scheduler.all_pinned():
             assert self._t_enter is not None and scheduler.finished_at is not None
             self._seconds_to_pinned = scheduler.finished_at - self._t_enter
-            assert self._region is not None
-            self._hugepage_bytes = self._region.hugepage_bytes()
             self._log.info(
-                "pin.complete",
-                seconds=self._seconds_to_pinned,
-                gib_per_s=self._gib_per_s(),
-                hugepage_bytes=self._hugepage_bytes,
+                "pin.complete", seconds=self._seconds_to_pinned, gib_per_s=self._gib_per_s()
             )
             self._pinned.resolve()
         else:
@@ -379,6 +377,16 @@ class OffloadManager:
         if self._state is not ManagerState.OPEN or self._region is None:
             raise anyio.ClosedResourceError("the manager is not open")
         return self._region.view(offset, nbytes)
+
+    async def measure_hugepages(self) -> int:
+        """Bytes of the region backed by huge pages, measured now in a worker thread
+        (reading /proc/self/smaps walks every mapping of the process: 100+ ms in a CUDA
+        process, so never on the event loop); ``stats().hugepage_bytes`` keeps the value."""
+        region = self._region
+        if self._state is not ManagerState.OPEN or region is None:
+            raise anyio.ClosedResourceError("the manager is not open")
+        self._hugepage_bytes = await anyio.to_thread.run_sync(region.hugepage_bytes)
+        return self._hugepage_bytes
 
     def _gib_per_s(self) -> float | None:
         if not self._seconds_to_pinned:

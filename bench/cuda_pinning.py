@@ -234,6 +234,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(),
         "driver": _driver_version(),
         "size_bytes": nbytes,
+        "repeats": args.repeats,
         "gpu_step": {
             "matmuls": gpu.count,
             "p50_ms": statistics.median(base) * 1e3,
@@ -242,39 +243,90 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "runs": [],
     }
     sweep: list[dict[str, Any]] = [
-        {"chunk_bytes": 256 * MiB, "prefault_threads": 8, "pin_threads": 1},
-        {"chunk_bytes": 64 * MiB, "prefault_threads": 8, "pin_threads": 1},
-        {"chunk_bytes": 32 * MiB, "prefault_threads": 8, "pin_threads": 1},
-        {"chunk_bytes": 64 * MiB, "prefault_threads": 4, "pin_threads": 1},
-        {"chunk_bytes": 64 * MiB, "prefault_threads": 8, "pin_threads": 2},
-        {"chunk_bytes": 64 * MiB, "prefault_threads": 8, "pin_threads": 1, "pin_interval_s": 0.002},
         {"chunk_bytes": 16 * MiB, "prefault_threads": 8, "pin_threads": 1},
-        {"chunk_bytes": 256 * MiB, "prefault_threads": 12, "pin_threads": 1},
+        {"chunk_bytes": 32 * MiB, "prefault_threads": 8, "pin_threads": 1},
+        {"chunk_bytes": 16 * MiB, "prefault_threads": 8, "pin_threads": 2},
+        {"chunk_bytes": 64 * MiB, "prefault_threads": 8, "pin_threads": 1, "pin_interval_s": 0.002},
+        {"chunk_bytes": 256 * MiB, "prefault_threads": 8, "pin_threads": 1},
     ]
-    configs = sweep[: args.configs]
-    # Without the GPU loop: the headline time to pinned and loop lag.
-    peer = await run_peer(nbytes, None)
-    report["runs"].append(asdict(peer) | {"gpu_loop": False})
-    for cfg in configs:
-        r = await run_asyncpin(nbytes, cfg, None)
-        report["runs"].append(asdict(r) | {"gpu_loop": False})
-    # With the GPU loop running in an engine thread.
-    gpu.start()
-    peer_g = await run_peer(nbytes, gpu)
-    report["runs"].append(asdict(peer_g) | {"gpu_loop": True})
-    for cfg in configs:
-        r = await run_asyncpin(nbytes, cfg, gpu)
-        report["runs"].append(asdict(r) | {"gpu_loop": True})
-    gpu.stop()
-    report["close_mid_pinning"] = [await run_close_mid_pinning(nbytes, cfg) for cfg in configs[:3]]
+    recipes: list[tuple[str, dict[str, Any] | None]] = [("peer", None)] + [
+        (label(cfg), cfg) for cfg in sweep[: args.configs]
+    ]
+    runs: list[dict[str, Any]] = report["runs"]
+    for gpu_on in (False, True):
+        if gpu_on:
+            gpu.start()
+        for rep in range(args.repeats):
+            shift = rep % len(recipes)  # rotate the order so no recipe always goes first
+            for name, cfg in recipes[shift:] + recipes[:shift]:
+                prime(nbytes)
+                loop = gpu if gpu_on else None
+                r = await (
+                    run_peer(nbytes, loop) if cfg is None else run_asyncpin(nbytes, cfg, loop)
+                )
+                runs.append(asdict(r) | {"label": name, "gpu_loop": gpu_on, "repeat": rep})
+        if gpu_on:
+            gpu.stop()
+    report["summary"] = summarise(runs)
+    report["close_mid_pinning"] = []
+    for cfg in sweep[: min(args.configs, 3)] + sweep[4:5]:
+        prime(nbytes)
+        report["close_mid_pinning"].append(
+            {"label": label(cfg)} | await run_close_mid_pinning(nbytes, cfg)
+        )
     if args.big:
         big = parse_size(args.big)
-        report["big"] = {
-            "size_bytes": big,
-            "peer": asdict(await run_peer(big, None)),
-            "asyncpin": asdict(await run_asyncpin(big, configs[0], None)),
-        }
+        prime(big)
+        peer_big = asdict(await run_peer(big, None))
+        prime(big)
+        ours_big = asdict(await run_asyncpin(big, sweep[0], None))
+        report["big"] = {"size_bytes": big, "peer": peer_big, "asyncpin": ours_big}
     return report
+
+
+def label(cfg: dict[str, Any]) -> str:
+    gap = cfg.get("pin_interval_s", 0) * 1e3
+    return (
+        f"asyncpin {cfg['chunk_bytes'] // MiB}MiB pf{cfg['prefault_threads']} "
+        f"pin{cfg['pin_threads']}" + (f" gap{gap:.0f}ms" if gap else "")
+    )
+
+
+def prime(nbytes: int) -> None:
+    """Fault ``nbytes`` in and free it, so every run starts from memory the VM backs."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    buf.fill_(1)
+    del buf
+
+
+def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Medians over repeats per (recipe, gpu loop); worst step over all repeats."""
+    out = []
+    keys = sorted({(r["label"], r["gpu_loop"]) for r in runs}, key=lambda k: (k[1], k[0] != "peer"))
+    for name, gpu_on in keys:
+        group = [r for r in runs if r["label"] == name and r["gpu_loop"] == gpu_on]
+
+        def med(key: str, group: list[dict[str, Any]] = group) -> float | None:
+            values = [r[key] for r in group if r[key] is not None]
+            return statistics.median(values) if values else None
+
+        steps = [r["step_max_ms"] for r in group if r["step_max_ms"] is not None]
+        out.append(
+            {
+                "label": name,
+                "gpu_loop": gpu_on,
+                "repeats": len(group),
+                "enter_s": med("enter_s"),
+                "pinned_s": med("pinned_s"),
+                "gib_per_s": med("gib_per_s"),
+                "loop_lag_max_ms": med("loop_lag_max_ms"),
+                "loop_lag_worst_ms": max(r["loop_lag_max_ms"] for r in group),
+                "step_max_ms": max(steps) if steps else None,
+                "step_p50_ms": med("step_p50_ms"),
+                "slowest_pin_call_ms": med("slowest_pin_call_ms"),
+            }
+        )
+    return out
 
 
 def _driver_version() -> str:
@@ -298,49 +350,50 @@ def print_table(report: dict[str, Any]) -> None:
     step = report["gpu_step"]
     print(
         f"\n{report['device']} torch {report['torch']} cuda {report['cuda_runtime']} "
-        f"driver {report['driver']}; {size:.0f} GiB; GPU step p50 {step['p50_ms']:.1f} ms "
-        f"max {step['max_ms']:.1f} ms ({step['matmuls']} matmuls)"
+        f"driver {report['driver']}; {size:.0f} GiB; medians of {report['repeats']}; "
+        f"GPU step alone p50 {step['p50_ms']:.1f} ms, max {step['max_ms']:.1f} ms "
+        f"({step['matmuls']} bf16 8192^3 matmuls)"
     )
     print(
-        f"{'run':<44} {'gpu':>3} {'enter ms':>9} {'pinned s':>8} {'GiB/s':>6} "
-        f"{'lag ms':>7} {'step max':>8} {'p50':>6} {'pin call':>8}"
+        f"{'recipe':<34} {'gpu':>3} {'enter ms':>9} {'pinned s':>8} {'GiB/s':>6} "
+        f"{'lag ms':>7} {'lag max':>7} {'step max':>8} {'p50':>6} {'pin call':>8}"
     )
-    peer = {r["gpu_loop"]: r for r in report["runs"] if r["name"].startswith("peer")}
-    for r in report["runs"]:
-        c = r["config"]
-        label = (
-            r["name"]
-            if not c
-            else (
-                f"asyncpin {c['chunk_bytes'] // MiB}MiB pf{c['prefault_threads']} "
-                f"pin{c['pin_threads']} gap{c.get('pin_interval_s', 0) * 1e3:.0f}ms"
-            )
-        )
+    peer = {r["gpu_loop"]: r for r in report["summary"] if r["label"] == "peer"}
+    for r in report["summary"]:
         print(
-            f"{label:<44} {'yes' if r['gpu_loop'] else 'no':>3} {r['enter_s'] * 1e3:>9.2f} "
+            f"{r['label']:<34} {'yes' if r['gpu_loop'] else 'no':>3} {r['enter_s'] * 1e3:>9.2f} "
             f"{r['pinned_s']:>8.2f} {r['gib_per_s']:>6.1f} {r['loop_lag_max_ms']:>7.1f} "
-            f"{fmt(r['step_max_ms']):>8} {fmt(r['step_p50_ms']):>6} "
-            f"{fmt(r['slowest_pin_call_ms']):>8}"
+            f"{r['loop_lag_worst_ms']:>7.1f} {fmt(r['step_max_ms']):>8} "
+            f"{fmt(r['step_p50_ms']):>6} {fmt(r['slowest_pin_call_ms']):>8}"
         )
-    p = peer[False]
-    for r in report["runs"]:
-        if r["config"] and not r["gpu_loop"]:
+    for r in report["summary"]:
+        if r["label"] != "peer":
+            p = peer[r["gpu_loop"]]
+            step_ratio = (
+                f", step max / step alone {r['step_max_ms'] / step['p50_ms']:.2f}x "
+                f"(peer {p['step_max_ms'] / step['p50_ms']:.1f}x)"
+                if r["step_max_ms"]
+                else ""
+            )
             print(
-                f"  ratio vs peer {r['config']['chunk_bytes'] // MiB}MiB "
-                f"pf{r['config']['prefault_threads']}: enter {p['enter_s'] / r['enter_s']:.0f}x, "
-                f"pinned {p['pinned_s'] / r['pinned_s']:.2f}x"
+                f"  {r['label']:<32} gpu={'yes' if r['gpu_loop'] else 'no':<3} enter "
+                f"{p['enter_s'] / r['enter_s']:,.0f}x faster, pinned "
+                f"{p['pinned_s'] / r['pinned_s']:.2f}x faster{step_ratio}"
             )
     for c in report["close_mid_pinning"]:
         print(
-            f"close mid-pinning: {c['close_s'] * 1e3:.1f} ms (bound: slowest pin "
-            f"{c['slowest_pin_call_s'] * 1e3:.1f} ms + unpin {c['unpin_s'] * 1e3:.1f} ms)"
+            f"close mid-pinning {c['label']}: {c['close_s'] * 1e3:.1f} ms (slowest pin "
+            f"{c['slowest_pin_call_s'] * 1e3:.1f} ms + unpin {c['unpin_s'] * 1e3:.1f} ms "
+            f"= {c['bound_s'] * 1e3:.1f} ms)"
         )
     if "big" in report:
         b = report["big"]
-        peer_s, ours_s = b["peer"]["pinned_s"], b["asyncpin"]["pinned_s"]
+        peer_s, ours = b["peer"]["pinned_s"], b["asyncpin"]
         print(
-            f"{b['size_bytes'] / GiB:.0f} GiB: peer {peer_s:.2f} s, asyncpin {ours_s:.2f} s "
-            f"({peer_s / ours_s:.2f}x), enter {b['asyncpin']['enter_s'] * 1e3:.2f} ms"
+            f"{b['size_bytes'] / GiB:.0f} GiB: peer {peer_s:.2f} s, "
+            f"asyncpin {ours['pinned_s']:.2f} s "
+            f"({peer_s / ours['pinned_s']:.2f}x, {ours['gib_per_s']:.1f} GiB/s), "
+            f"enter {ours['enter_s'] * 1e3:.2f} ms, lag {ours['loop_lag_max_ms']:.1f} ms"
         )
 
 
@@ -348,7 +401,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size", default="16GiB")
     parser.add_argument("--big", default=None, help="also run one size more, e.g. 64GiB")
-    parser.add_argument("--configs", type=int, default=8, help="how many configs to sweep")
+    parser.add_argument("--configs", type=int, default=5, help="how many configs to sweep")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))

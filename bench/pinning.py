@@ -138,6 +138,7 @@ async def measure_asyncpin(nbytes: int, cfg: Config, hb: Heartbeat) -> dict[str,
         await mgr.pinned
         t_pinned = time.perf_counter()
         lag_s = hb.peek()
+        await mgr.measure_hugepages()
         at_pinned = asdict(mgr.stats())
         t_close = time.perf_counter()
     t_closed = time.perf_counter()

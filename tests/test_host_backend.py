@@ -417,3 +417,23 @@ class TestMemlockLimitWithoutCapability:
         # Under the limit the same child pins for real.
         assert out["locked_while_pinned"] == limit // 2
         assert out["locked_after_close"] == 0
+
+
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+class TestMeasureHugepages:
+    """Huge-page use is measured on request, off the event loop, and kept in stats()."""
+
+    @pytest.mark.skipif(
+        not _THP.exists() or "[never]" in _THP.read_text(), reason="THP is off on this machine"
+    )
+    async def test_measure_after_pinned(self) -> None:
+        async with OffloadManager(8 << 20, backend="host", chunk_bytes=4 << 20) as mgr:
+            await mgr.pinned
+            assert mgr.stats().hugepage_bytes is None
+            measured = await mgr.measure_hugepages()
+            assert measured > 0 and measured % (2 << 20) == 0
+            assert mgr.stats().hugepage_bytes == measured
+        with pytest.raises(anyio.ClosedResourceError):
+            await mgr.measure_hugepages()
