@@ -51,6 +51,7 @@ def _find_libcudart() -> ctypes.CDLL | None:
             lib.cudaGetErrorString.restype = ctypes.c_char_p
             lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
             lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+            lib.cudaSetDevice.argtypes = [ctypes.c_int]
             return lib
     return None
 
@@ -108,14 +109,16 @@ class CudaBackend:
         return None
 
     def _call(self, op: str, fn_name: str, *args: int) -> None:
-        # Worker threads start on device 0; the registration belongs to our device.
-        torch.cuda.set_device(self._device)
+        # Worker threads start on device 0; the registration belongs to our device. Through
+        # ctypes the GIL is released: a driver call that waits on a lock must not hold it.
         if self._lib is not None:
+            self._lib.cudaSetDevice(self._device)
             fn = getattr(self._lib, fn_name)
             code = int(fn(*args))
             if code != 0:
                 self._lib.cudaGetLastError()  # consume it: it must not resurface later
         else:
+            torch.cuda.set_device(self._device)
             code = int(getattr(torch.cuda.cudart(), fn_name)(*args))
         if code != 0:
             name, text = cuda_error_name(code)

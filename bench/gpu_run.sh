@@ -20,6 +20,9 @@ for step in $steps; do
     demo)
       timeout 120 python3 -m asyncpin demo --size 8GiB --json > "$OUT/demo.json" 2> "$OUT/demo.err"
       echo "demo rc=$?"; head -c 1500 "$OUT/demo.json"; echo ;;
+    lag)
+      timeout 200 python3 bench/loop_lag.py --size-gib 16 --json-out "$OUT/loop_lag.json" \
+        2>&1 | tee "$OUT/loop_lag.log" | tail -12 ;;
     bench)
       timeout 400 python3 bench/cuda_pinning.py --size 16GiB --big ${BIG:-64GiB} \
         --json-out "$OUT/cuda_pinning.json" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
