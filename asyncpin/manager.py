@@ -319,7 +319,9 @@ class OffloadManager:
                         action="left mapped (leaked): no device access can hit freed memory",
                     )
                 self._leaked = len(leaked)
-                region.release(keep=[chunk for chunk, _ in leaked])
+                # munmap of many GiB takes tens of ms: off the event loop too.
+                keep = [chunk for chunk, _ in leaked]
+                await anyio.to_thread.run_sync(lambda: region.release(keep=keep))
             finally:
                 self._pinned.resolve(
                     anyio.ClosedResourceError("the manager closed before pinning completed")

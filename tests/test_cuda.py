@@ -125,6 +125,7 @@ class TestCaptureGate:
     @pytest.mark.parametrize("mode", ["gated", "hook"])
     def test_100_captures_interleaved_with_pinning(self, mode: str) -> None:
         report = _capture_child(mode)
+        print(f"{mode} capture report:", json.dumps(report))
         assert report["errors"] == []
         assert report["pin_error_code"] is None
         assert report["captures"] >= 100
@@ -133,6 +134,7 @@ class TestCaptureGate:
 
     def test_without_the_gate_capture_and_registration_collide(self) -> None:
         report = _capture_child("ungated")
+        print("ungated capture report:", json.dumps(report))  # shown with `pytest -s`
         collided = report["errors"] or report["pin_error_code"] in (900, 901)
         assert collided, (
             f"no collision without the gate: the gated test would prove nothing ({report})"
