@@ -6,14 +6,17 @@ from asyncpin.errors import (
     BackendCallError,
     BackendUnavailableError,
     ConfigError,
+    InvalidTransferError,
     PinError,
     PreflightError,
     RegionNotFoundError,
     TransferError,
 )
 from asyncpin.gate import capture_gate, install_capture_gate
+from asyncpin.kv import KVLayout
 from asyncpin.manager import DEFAULT_CHUNK_BYTES, ManagerState, ManagerStats, OffloadManager
 from asyncpin.pinning import ChunkState
+from asyncpin.transfers import Transfer
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -23,6 +26,8 @@ __all__ = [
     "ChunkState",
     "ConfigError",
     "HostBackend",
+    "InvalidTransferError",
+    "KVLayout",
     "ManagerState",
     "ManagerStats",
     "OffloadManager",
@@ -30,6 +35,7 @@ __all__ = [
     "PinError",
     "PreflightError",
     "RegionNotFoundError",
+    "Transfer",
     "TransferError",
     "capture_gate",
     "install_capture_gate",

@@ -12,6 +12,7 @@ __all__ = [
     "BackendCallError",
     "BackendUnavailableError",
     "ConfigError",
+    "InvalidTransferError",
     "PinError",
     "PreflightError",
     "RegionNotFoundError",
@@ -107,4 +108,9 @@ class PinError(AsyncpinError, RuntimeError):
 
 
 class TransferError(AsyncpinError, RuntimeError):
-    """A KV block transfer was refused or failed on the device."""
+    """A KV block transfer failed on the device, or its host blocks could not be pinned."""
+
+
+class InvalidTransferError(TransferError, ValueError):
+    """A transfer was refused before anything was enqueued: ids out of range, lengths that
+    differ, duplicate destinations, ids on a device or of a non-integer dtype."""

@@ -8,9 +8,10 @@ import itertools
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
@@ -20,10 +21,26 @@ from anyio.abc import TaskGroup
 
 from asyncpin import _sys
 from asyncpin.backends import PinBackend, resolve_backend
-from asyncpin.errors import ConfigError, PinError, PreflightError
+from asyncpin.errors import (
+    ConfigError,
+    InvalidTransferError,
+    PinError,
+    PreflightError,
+    TransferError,
+)
 from asyncpin.gate import PausedContext, PauseGate
+from asyncpin.kv import KVLayout
 from asyncpin.pinning import PinnedSignal, PinScheduler
 from asyncpin.region import Backing, HostRegion, HugePages, validate_nbytes
+from asyncpin.transfers import (
+    HostTransferEngine,
+    Method,
+    Transfer,
+    TransferEngine,
+    TransferJob,
+    block_ids,
+    host_blocks_view,
+)
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -78,6 +95,14 @@ class ManagerStats:
     unpin_seconds: float | None
     close_seconds: float | None
     error: str | None
+    transfers_stored: int = 0
+    transfers_loaded: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    transfers_waited_for_pinning: int = 0
+    transfers_pageable: int = 0
+    transfers_failed: int = 0
+    transfers_in_flight: int = 0
 
     @property
     def pinned_fraction(self) -> float:
@@ -114,6 +139,9 @@ class OffloadManager:
         pin_interval_s: float = 0.0,
         hugepages: HugePages = "thp",
         logger: Any = None,
+        kv_layout: KVLayout | None = None,
+        num_host_blocks: int | None = None,
+        unpinned_policy: Literal["wait", "pageable"] = "wait",
         _attach: bool = False,
     ) -> None:
         self._nbytes = 0 if _attach else validate_nbytes(nbytes)
@@ -146,6 +174,39 @@ class OffloadManager:
             raise ConfigError(
                 f"pin_interval_s must be a finite number >= 0, got {pin_interval_s!r}"
             )
+        if (kv_layout is None) != (num_host_blocks is None):
+            raise ConfigError("kv_layout and num_host_blocks go together")
+        if kv_layout is not None:
+            if not isinstance(kv_layout, KVLayout):
+                raise ConfigError("kv_layout must be a KVLayout (KVLayout.from_tensors(...))")
+            if (
+                isinstance(num_host_blocks, bool)
+                or not isinstance(num_host_blocks, int)
+                or num_host_blocks < 1
+            ):
+                raise ConfigError(f"num_host_blocks must be an int >= 1, got {num_host_blocks!r}")
+            if self._nbytes < num_host_blocks * kv_layout.host_block_bytes:
+                raise ConfigError(
+                    f"{num_host_blocks} host blocks of {kv_layout.host_block_bytes} bytes do not "
+                    f"fit in nbytes={nbytes}; use OffloadManager.for_kv(layout, num_host_blocks)"
+                )
+        if unpinned_policy not in ("wait", "pageable"):
+            raise ConfigError(
+                f"unpinned_policy must be 'wait' or 'pageable', not {unpinned_policy!r}"
+            )
+        self._layout = kv_layout
+        self._num_host_blocks = num_host_blocks or 0
+        self._unpinned_policy = unpinned_policy
+        self._engine: TransferEngine | None = None
+        self._host_blocks: torch.Tensor | None = None
+        self._inflight: set[Transfer] = set()
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._progress = anyio.Event()
+        self._counts = dict.fromkeys(
+            ("stored", "loaded", "bytes_stored", "bytes_loaded", "waited", "pageable", "failed"),
+            0,
+        )
         self._backend = resolve_backend(backend, device)
         # Never ask one backend call for more than the platform takes in one go.
         self._chunk_bytes = min(
@@ -174,6 +235,22 @@ class OffloadManager:
         self._hugepage_bytes: int | None = None
         self._close_seconds: float | None = None
         self._leaked = 0
+
+    @classmethod
+    def for_kv(cls, layout: KVLayout, num_host_blocks: int, **kwargs: Any) -> OffloadManager:
+        """A manager whose region holds ``num_host_blocks`` host blocks of ``layout``."""
+        if (
+            isinstance(num_host_blocks, bool)
+            or not isinstance(num_host_blocks, int)
+            or num_host_blocks < 1
+        ):
+            raise ConfigError(f"num_host_blocks must be an int >= 1, got {num_host_blocks!r}")
+        return cls(
+            layout.host_block_bytes * num_host_blocks,
+            kv_layout=layout,
+            num_host_blocks=num_host_blocks,
+            **kwargs,
+        )
 
     @classmethod
     def attached(cls, name: str, **kwargs: Any) -> OffloadManager:
@@ -216,6 +293,14 @@ class OffloadManager:
             region.release()
             raise
         self._region = region
+        self._scheduler.on_progress = self._on_pin_progress
+        if self._layout is not None:
+            try:
+                self._engine = self._make_engine(region)
+            except BaseException:
+                await self._tg.__aexit__(None, None, None)
+                region.release()
+                raise
         self._state = ManagerState.OPEN
         self._tg.start_soon(self._run_pinning)
         self._seconds_to_enter = time.perf_counter() - t0
@@ -308,6 +393,9 @@ class OffloadManager:
             self._log.info("manager.closing", pinned_bytes=scheduler.pinned_bytes)
             try:
                 await scheduler.done.wait()
+                await self._idle.wait()  # in-flight transfers' device work
+                if self._engine is not None:
+                    self._engine.close()
                 leaked = await anyio.to_thread.run_sync(scheduler.unpin_all)
                 for chunk, exc in leaked:
                     self._log.error(
@@ -417,7 +505,172 @@ class OffloadManager:
             unpin_seconds=scheduler.unpin_seconds if scheduler else None,
             close_seconds=self._close_seconds,
             error=str(error) if isinstance(error, PinError) else None,
+            transfers_stored=self._counts["stored"],
+            transfers_loaded=self._counts["loaded"],
+            bytes_stored=self._counts["bytes_stored"],
+            bytes_loaded=self._counts["bytes_loaded"],
+            transfers_waited_for_pinning=self._counts["waited"],
+            transfers_pageable=self._counts["pageable"],
+            transfers_failed=self._counts["failed"],
+            transfers_in_flight=len(self._inflight),
         )
+
+    # -- KV transfers -----------------------------------------------------------------
+
+    @property
+    def kv_layout(self) -> KVLayout | None:
+        return self._layout
+
+    def host_blocks(self) -> torch.Tensor:
+        """``[num_host_blocks, num_arrays, *block_shape]`` view of the host KV blocks."""
+        if self._state is not ManagerState.OPEN:
+            raise anyio.ClosedResourceError("the manager is not open")
+        if self._host_blocks is None:
+            raise ConfigError("this manager has no KV layout (use OffloadManager.for_kv)")
+        return self._host_blocks
+
+    def _make_engine(self, region: HostRegion) -> TransferEngine:
+        layout = self._layout
+        assert layout is not None and self._tg is not None
+        self._host_blocks = host_blocks_view(region.view(), layout, self._num_host_blocks)
+        if layout.device.type == "cuda":
+            from asyncpin.cuda_transfers import CudaTransferEngine
+
+            return CudaTransferEngine(layout, self._host_blocks, self._tg.start_soon)
+        if layout.device.type == "cpu":
+            return HostTransferEngine(layout, self._host_blocks, self._tg.start_soon)
+        raise ConfigError(f"KV arrays on {layout.device} are not supported")
+
+    def store(
+        self,
+        gpu_block_ids: Sequence[int] | torch.Tensor,
+        cpu_block_ids: Sequence[int] | torch.Tensor,
+        *,
+        method: Method = "auto",
+    ) -> Transfer:
+        """Copy device KV blocks to host blocks (all arrays at once); returns the handle.
+
+        The copy first waits for work already queued on the caller's current stream (the
+        work that produced the blocks). Bad input raises InvalidTransferError before
+        anything is enqueued; a closed manager raises ClosedResourceError."""
+        return self._submit("store", gpu_block_ids, cpu_block_ids, method)
+
+    def load(
+        self,
+        cpu_block_ids: Sequence[int] | torch.Tensor,
+        gpu_block_ids: Sequence[int] | torch.Tensor,
+        *,
+        method: Method = "auto",
+    ) -> Transfer:
+        """Copy host blocks into device KV blocks; returns the handle. On CUDA, the
+        handle's ``event`` lets the compute stream wait for the load without blocking."""
+        return self._submit("load", gpu_block_ids, cpu_block_ids, method)
+
+    def _submit(
+        self,
+        direction: Literal["store", "load"],
+        gpu_block_ids: Sequence[int] | torch.Tensor,
+        cpu_block_ids: Sequence[int] | torch.Tensor,
+        method: Method,
+    ) -> Transfer:
+        if self._state is not ManagerState.OPEN:
+            raise anyio.ClosedResourceError("the manager is closed to new transfers")
+        layout, engine, scheduler = self._layout, self._engine, self._scheduler
+        if layout is None or engine is None or scheduler is None:
+            raise ConfigError("this manager has no KV layout (use OffloadManager.for_kv)")
+        gpu = block_ids(gpu_block_ids, "gpu_block_ids", layout.num_blocks)
+        cpu = block_ids(cpu_block_ids, "cpu_block_ids", self._num_host_blocks)
+        if gpu.numel() != cpu.numel():
+            raise InvalidTransferError(
+                f"gpu_block_ids has {gpu.numel()} ids and cpu_block_ids {cpu.numel()}"
+            )
+        dst = cpu if direction == "store" else gpu
+        if torch.unique(dst).numel() != dst.numel():
+            raise InvalidTransferError(
+                f"{'cpu' if direction == 'store' else 'gpu'}_block_ids has duplicate "
+                "destinations: the result would depend on copy order"
+            )
+        if method != "auto" and method not in engine.methods():
+            raise InvalidTransferError(
+                f"method {method!r} is not available here; use one of {engine.methods()}"
+            )
+        transfer = Transfer(direction, int(gpu.numel()), int(gpu.numel()) * layout.host_block_bytes)
+        job = TransferJob(transfer, gpu, cpu, method)
+        if direction == "store":
+            job.ready = engine.record_ready()
+        self._track(transfer)
+        needed = self._unpinned_chunks(cpu) if not scheduler.all_pinned() else []
+        if not needed:
+            self._enqueue(job, pageable=False)
+        elif self._unpinned_policy == "pageable":
+            self._counts["pageable"] += 1
+            self._enqueue(job, pageable=True)
+        else:
+            self._counts["waited"] += 1
+            assert self._tg is not None
+            self._tg.start_soon(self._enqueue_when_pinned, job, needed)
+        return transfer
+
+    def _track(self, transfer: Transfer) -> None:
+        self._counts["stored" if transfer.direction == "store" else "loaded"] += 1
+        if not self._inflight:
+            self._idle = anyio.Event()
+        self._inflight.add(transfer)
+        transfer._callbacks.append(self._transfer_done)
+
+    def _transfer_done(self, transfer: Transfer) -> None:
+        self._inflight.discard(transfer)
+        if transfer.error is not None:
+            self._counts["failed"] += 1
+        else:
+            key = "bytes_stored" if transfer.direction == "store" else "bytes_loaded"
+            self._counts[key] += transfer.nbytes
+        if not self._inflight:
+            self._idle.set()
+
+    def _enqueue(self, job: TransferJob, *, pageable: bool) -> None:
+        assert self._engine is not None
+        try:
+            self._engine.submit(job, pageable=pageable)
+        except Exception as exc:
+            error = TransferError(f"{job.transfer.direction} could not be enqueued: {exc}")
+            error.__cause__ = exc
+            job.transfer._finish(error)
+            raise error from exc
+
+    def _unpinned_chunks(self, cpu_ids: torch.Tensor) -> list[int]:
+        scheduler, layout = self._scheduler, self._layout
+        assert scheduler is not None and layout is not None
+        size = layout.host_block_bytes
+        chunks: set[int] = set()
+        for c in torch.unique(cpu_ids).tolist():
+            chunks.update(scheduler.chunks_of(c * size, size))
+        return sorted(i for i in chunks if not scheduler.is_chunk_pinned(i))
+
+    def _on_pin_progress(self) -> None:
+        event, self._progress = self._progress, anyio.Event()
+        event.set()
+
+    async def _enqueue_when_pinned(self, job: TransferJob, chunks: list[int]) -> None:
+        scheduler = self._scheduler
+        assert scheduler is not None
+        try:
+            while missing := [i for i in chunks if not scheduler.is_chunk_pinned(i)]:
+                if scheduler.done.is_set() or scheduler.stopping:
+                    error = TransferError(
+                        f"host chunk {missing[0]} of this {job.transfer.direction} will not be "
+                        "pinned: " + ("pinning failed" if scheduler.error else "the manager closed")
+                    )
+                    error.__cause__ = scheduler.error
+                    job.transfer._finish(error)
+                    return
+                await self._progress.wait()
+            self._enqueue(job, pageable=False)
+        except TransferError:
+            return  # reported through the handle
+        except BaseException as exc:
+            job.transfer._finish(exc)
+            raise
 
     def __repr__(self) -> str:
         s = self.stats()

@@ -14,7 +14,7 @@ import errno
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import anyio
@@ -108,6 +108,8 @@ class PinScheduler:
         self.slowest_pin_seconds = 0.0
         self.unpin_seconds: float | None = None
         self.done = anyio.Event()
+        # Called on the event loop after each pin call and when the pipeline ends.
+        self.on_progress: Callable[[], None] | None = None
         self.started_at: float | None = None
         self.finished_at: float | None = None
 
@@ -128,6 +130,11 @@ class PinScheduler:
 
     def is_chunk_pinned(self, index: int) -> bool:
         return self._states[index] is ChunkState.PINNED
+
+    def chunks_of(self, offset: int, nbytes: int) -> range:
+        """Indices of the chunks that ``[offset, offset+nbytes)`` touches."""
+        size = self.chunks[0].nbytes
+        return range(offset // size, (offset + nbytes - 1) // size + 1)
 
     def all_pinned(self) -> bool:
         return self.chunks_pinned == len(self.chunks)
@@ -156,6 +163,8 @@ class PinScheduler:
         finally:
             self.finished_at = time.perf_counter()
             self.done.set()
+            if self.on_progress is not None:
+                self.on_progress()
 
     def _take(self) -> Iterator[Chunk]:
         while not self._stop.is_set():
@@ -188,6 +197,8 @@ class PinScheduler:
                 if self._stop.is_set():
                     return
                 await anyio.to_thread.run_sync(self._pin_one, chunk, limiter=limiter)
+                if self.on_progress is not None:
+                    self.on_progress()
                 if self._pin_interval_s > 0:
                     await anyio.sleep(self._pin_interval_s)
 

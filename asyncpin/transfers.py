@@ -1,0 +1,227 @@
+"""KV block transfers between the engine's KV arrays and the pinned host region.
+
+A transfer is validated completely before anything is enqueued, then runs on the engine
+of the manager's backend:
+
+- ``HostTransferEngine`` (no GPU): the "device" arrays are CPU tensors; copies run in a
+  worker thread. It exists so that every test of the API runs without a GPU.
+- ``asyncpin.cuda_transfers.CudaTransferEngine``: dedicated store and load streams, copy
+  methods chosen per transfer, completion reported by one waiter thread per stream.
+
+The awaiting coroutine learns of completion through an ``anyio.Event`` set on the event
+loop; cancelling the awaiting task only stops the waiting: the copy, and every buffer it
+touches, stays owned by the manager until the device work is done.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import anyio
+import anyio.to_thread
+import torch
+
+from asyncpin.errors import InvalidTransferError
+from asyncpin.kv import KVLayout
+
+__all__ = [
+    "Direction",
+    "HostTransferEngine",
+    "Method",
+    "Transfer",
+    "TransferEngine",
+    "TransferJob",
+    "block_ids",
+    "host_blocks_view",
+]
+
+Direction = Literal["store", "load"]
+Method = Literal["auto", "host", "batch", "pack", "kernel"]
+
+
+class Transfer:
+    """Handle of one store or load: awaitable, with ``done()``, ``nbytes``, ``elapsed_s``.
+
+    ``await transfer`` (or ``await transfer.wait()``) returns when the device work is
+    complete and raises the TransferError if it failed. For a load on CUDA, ``event`` is a
+    ``torch.cuda.Event`` recorded after the copy: ``torch.cuda.current_stream()
+    .wait_event(transfer.event)`` orders later compute after it without blocking.
+    """
+
+    __slots__ = (
+        "_callbacks",
+        "_done",
+        "_error",
+        "direction",
+        "event",
+        "method",
+        "nbytes",
+        "num_blocks",
+        "path",
+        "t_done",
+        "t_submit",
+    )
+
+    def __init__(self, direction: Direction, num_blocks: int, nbytes: int) -> None:
+        self.direction: Direction = direction
+        self.num_blocks = num_blocks
+        self.nbytes = nbytes
+        self.method: str = "-"
+        self.path: str = "pinned"
+        self.event: Any = None
+        self.t_submit = time.perf_counter()
+        self.t_done: float | None = None
+        self._done = anyio.Event()
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Transfer], None]] = []
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def elapsed_s(self) -> float | None:
+        """Seconds from submission to completion (None while in flight)."""
+        return None if self.t_done is None else self.t_done - self.t_submit
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        if not self._done.is_set():
+            self.t_done = time.perf_counter()
+            self._error = error
+            self._done.set()
+            for callback in self._callbacks:
+                callback(self)
+
+    async def wait(self) -> None:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+    def __await__(self):  # type: ignore[no-untyped-def]
+        return self.wait().__await__()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return (
+            f"<Transfer {self.direction} {self.num_blocks} blocks {self.nbytes} bytes "
+            f"{self.method}/{self.path} {state}>"
+        )
+
+
+@dataclass(eq=False)
+class TransferJob:
+    """Everything an engine needs for one validated transfer."""
+
+    transfer: Transfer
+    gpu_ids: torch.Tensor  # int64, CPU
+    cpu_ids: torch.Tensor  # int64, CPU
+    method: Method
+    ready: Any = None  # CUDA event the store must wait for (the compute stream's work)
+    keep: list[Any] = field(default_factory=list)  # buffers alive until the copy is done
+
+
+class TransferEngine(Protocol):
+    """Runs validated jobs. ``submit`` enqueues at once (from the event loop thread) and
+    arranges for ``job.transfer._finish`` to be called on the loop when the copy is done."""
+
+    name: str
+
+    def methods(self) -> tuple[str, ...]: ...
+
+    def submit(self, job: TransferJob, *, pageable: bool) -> None: ...
+
+    def record_ready(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+def host_blocks_view(
+    region_view: torch.Tensor, layout: KVLayout, num_host_blocks: int
+) -> torch.Tensor:
+    """``[num_host_blocks, num_arrays, *block_shape]`` over the region's bytes."""
+    nbytes = num_host_blocks * layout.host_block_bytes
+    return (
+        region_view[:nbytes]
+        .view(layout.dtype)
+        .view(num_host_blocks, layout.num_arrays, *layout.block_shape)
+    )
+
+
+def block_ids(ids: Sequence[int] | torch.Tensor, what: str, limit: int) -> torch.Tensor:
+    """Validate a list of block ids: 1-D integers on the CPU, all in ``[0, limit)``."""
+    if isinstance(ids, torch.Tensor):
+        if ids.device.type != "cpu":
+            raise InvalidTransferError(
+                f"{what} must be on the CPU (got a tensor on {ids.device}): reading ids from "
+                "a device would make every transfer wait for it"
+            )
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise InvalidTransferError(f"{what} must be integers, got dtype {ids.dtype}")
+        if ids.dim() != 1:
+            raise InvalidTransferError(f"{what} must be 1-D, got shape {tuple(ids.shape)}")
+        out = ids.to(torch.int64)
+    else:
+        try:
+            values = list(ids)
+        except TypeError:
+            raise InvalidTransferError(f"{what} must be a sequence of ints or a tensor") from None
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise InvalidTransferError(f"{what} must hold ints only")
+        out = torch.tensor(values, dtype=torch.int64)
+    if out.numel():
+        lo, hi = int(out.min()), int(out.max())
+        if lo < 0 or hi >= limit:
+            bad = lo if lo < 0 else hi
+            raise InvalidTransferError(f"{what} holds {bad}, outside [0, {limit})")
+    return out
+
+
+class HostTransferEngine:
+    """Copies between CPU tensors standing in for device KV and the host region, in a
+    worker thread (torch's copy kernels release the GIL)."""
+
+    name = "host"
+
+    def __init__(self, layout: KVLayout, host_blocks: torch.Tensor, start_soon: Any) -> None:
+        self._layout = layout
+        self._host = host_blocks
+        self._start_soon = start_soon
+        self._limiter = anyio.CapacityLimiter(2)
+
+    def methods(self) -> tuple[str, ...]:
+        return ("host",)
+
+    def record_ready(self) -> None:
+        return None
+
+    def submit(self, job: TransferJob, *, pageable: bool) -> None:
+        job.transfer.method = "host"
+        job.transfer.path = "pageable" if pageable else "pinned"
+        self._start_soon(self._run, job)
+
+    async def _run(self, job: TransferJob) -> None:
+        try:
+            await anyio.to_thread.run_sync(self._copy, job, limiter=self._limiter)
+        except BaseException as exc:  # reported through the handle, never lost
+            job.transfer._finish(exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            job.transfer._finish()
+
+    def _copy(self, job: TransferJob) -> None:
+        host = self._host
+        for a, array in enumerate(self._layout.arrays):
+            if job.transfer.direction == "store":
+                host[job.cpu_ids, a] = array[job.gpu_ids]
+            else:
+                array[job.gpu_ids] = host[job.cpu_ids, a]
+
+    def close(self) -> None:
+        return None
