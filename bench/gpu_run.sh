@@ -23,6 +23,15 @@ for step in $steps; do
     lag)
       timeout 200 python3 bench/loop_lag.py --size-gib 16 --json-out "$OUT/loop_lag.json" \
         2>&1 | tee "$OUT/loop_lag.log" | tail -12 ;;
+    ttests)
+      timeout 300 python3 -m pytest -p pytest_asyncio.plugin -q -x -rs -m cuda \
+        tests/test_cuda_transfers.py 2>&1 | tee "$OUT/ttests.log" | tail -30 ;;
+    transfers)
+      timeout 400 python3 bench/transfers.py --json-out "$OUT/transfers.json" \
+        --plot "$OUT/transfers.png" 2>&1 | tee "$OUT/transfers.log" | tail -25 ;;
+    pinq)
+      timeout 300 python3 bench/cuda_pinning.py --size 16GiB --configs 1 --repeats 3 \
+        --json-out "$OUT/cuda_pinning_q.json" 2>&1 | tee "$OUT/pinq.log" | tail -14 ;;
     bench)
       timeout 400 python3 bench/cuda_pinning.py --size 16GiB --big ${BIG:-64GiB} \
         --json-out "$OUT/cuda_pinning.json" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;

@@ -1,0 +1,40 @@
+"""Triton copy kernel for KV blocks (imported only where Triton and a GPU exist)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kv_copy(
+    gpu_ids,
+    cpu_ids,
+    array_ptrs,
+    array_strides,
+    host_base,
+    n_segments,
+    n_arrays,
+    segment_words,
+    TO_HOST: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Segment s is block i of array a. Its device address comes from the array table
+    (``array_ptrs[a] + gpu_ids[i] * array_strides[a]``, bytes); its host address is
+    block-major (``host_base + (cpu_ids[i] * n_arrays + a) * segment bytes``), which is
+    the pinned region through UVA, or a device staging buffer laid out the same way.
+    Programs stride over segments, so the grid size bounds the SMs taken."""
+    offsets = tl.arange(0, BLOCK)
+    for s in range(tl.program_id(0), n_segments, tl.num_programs(0)):
+        i = s // n_arrays
+        a = s - i * n_arrays
+        g = tl.load(gpu_ids + i)
+        c = tl.load(cpu_ids + i)
+        device_addr = tl.load(array_ptrs + a) + g * tl.load(array_strides + a)
+        host_addr = host_base + (c * n_arrays + a) * segment_words * 8
+        device = device_addr.to(tl.pointer_type(tl.int64))
+        host = host_addr.to(tl.pointer_type(tl.int64))
+        for w in range(0, segment_words, BLOCK):
+            mask = w + offsets < segment_words
+            if TO_HOST:
+                tl.store(host + w + offsets, tl.load(device + w + offsets, mask=mask), mask=mask)
+            else:
+                tl.store(device + w + offsets, tl.load(host + w + offsets, mask=mask), mask=mask)

@@ -1,0 +1,347 @@
+"""KV block transfers on a CUDA GPU: asyncpin's methods against the peer recipes, one run.
+
+    python3 bench/transfers.py --json-out $OUT/transfers.json --plot $OUT/transfers.png
+
+Layout like Llama-3.1-8B: 32 layers, K and V split (64 arrays), blocks of 16 tokens x 8
+heads x 128 bf16 = 32 KiB per array. 2048 random blocks (4 GiB) per transfer, random ids.
+Peers in the same run: one cudaMemcpyBatchAsync call over the same segments, a python
+loop of cudaMemcpyAsync per segment, and one contiguous DMA of the same bytes. GB/s count
+bytes moved once (1e9 bytes per second); time is the wall time from submission until the
+awaiting coroutine resumes (asyncpin) or until the stream is synchronized (peers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import structlog
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncpin import KVLayout, OffloadManager
+from asyncpin.cuda_transfers import _Runtime
+from asyncpin.transfers import Direction, Method
+
+GB = 1e9
+
+
+def make_layout(layers: int, blocks: int, block_bytes: int) -> KVLayout:
+    tokens = block_bytes // (8 * 128 * 2)
+    shape = (blocks, tokens, 8, 128)
+    tensors = [torch.randn(*shape, device="cuda").to(torch.bfloat16) for _ in range(2 * layers)]
+    return KVLayout.from_tensors(tensors)
+
+
+async def timed(fn: Any, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        await fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+async def bench_size(block_bytes: int, n: int, repeats: int, peers: bool) -> dict[str, Any]:
+    layers = 32
+    blocks = 2 * n
+    layout = make_layout(layers, blocks, block_bytes)
+    nbytes = n * layout.host_block_bytes
+    rt = _Runtime()
+    result: dict[str, Any] = {"block_bytes": block_bytes, "blocks": n, "bytes": nbytes}
+    async with OffloadManager.for_kv(layout, 2 * n, backend="cuda") as mgr:
+        await mgr.pinned
+        stream = torch.cuda.Stream()
+
+        def ids() -> tuple[list[int], list[int]]:
+            g = torch.randperm(blocks)[:n].tolist()
+            c = torch.randperm(2 * n)[:n].tolist()
+            return g, c
+
+        for method in ("pack", "kernel", "batch"):
+            for direction in ("store", "load"):
+
+                async def run(method: str = method, direction: str = direction) -> None:
+                    g, c = ids()
+                    if direction == "store":
+                        await mgr.store(g, c, method=method)  # type: ignore[arg-type]
+                    else:
+                        await mgr.load(c, g, method=method)  # type: ignore[arg-type]
+
+                try:
+                    await run()  # warm-up (compiles the kernel once)
+                    times = await timed(run, repeats)
+                    result[f"{method}_{direction}_gbps"] = nbytes / statistics.median(times) / GB
+                except Exception as exc:  # record, keep measuring the rest
+                    result[f"{method}_{direction}_error"] = repr(exc)
+
+        async def both() -> None:
+            g1, c1 = ids()
+            half = n // 2
+            s = mgr.store(g1[:half], c1[:half])
+            ld = mgr.load(c1[half:], g1[half:])
+            await s
+            await ld
+
+        await both()
+        times = await timed(both, repeats)
+        result["both_at_once_gbps"] = (nbytes // 2 * 2) / statistics.median(times) / GB
+
+        # Peers: the same segments through one batched call / a per-segment loop.
+        if peers:
+            from asyncpin.transfers import Transfer, TransferJob
+
+            engine = mgr._engine
+            assert engine is not None
+            peer_direction: Direction
+            for peer_direction in ("store", "load"):
+                direction = peer_direction
+                g, c = ids()
+                job = TransferJob(
+                    Transfer(direction, n, nbytes), torch.tensor(g), torch.tensor(c), "batch"
+                )
+                device, host = engine._segments(job)  # type: ignore[attr-defined]
+                sizes = torch.full_like(device, layout.block_bytes)
+                dst, src = (host, device) if direction == "store" else (device, host)
+
+                async def batch_peer(
+                    dst: torch.Tensor = dst, src: torch.Tensor = src, sizes: torch.Tensor = sizes
+                ) -> None:
+                    rt.copy_segments(dst, src, sizes, stream.cuda_stream)
+                    stream.synchronize()
+
+                await batch_peer()
+                times = await timed(batch_peer, repeats)
+                result[f"peer_batch_{direction}_gbps"] = nbytes / statistics.median(times) / GB
+                if block_bytes <= 32 << 10:
+                    t0 = time.perf_counter()
+                    for d, s_, z in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
+                        rt.lib.cudaMemcpyAsync(d, s_, z, 4, stream.cuda_stream)
+                    stream.synchronize()
+                    result[f"peer_loop_{direction}_gbps"] = nbytes / (time.perf_counter() - t0) / GB
+        # Contiguous DMA of the same bytes (the bus's ceiling for this size).
+        host = mgr.host_blocks().view(-1)[: nbytes // 2]
+        dev = torch.empty(host.numel(), dtype=host.dtype, device="cuda")
+        for direction in ("store", "load"):
+
+            async def contiguous(direction: str = direction, dev: torch.Tensor = dev) -> None:
+                with torch.cuda.stream(stream):
+                    if direction == "store":
+                        host.copy_(dev, non_blocking=True)
+                    else:
+                        dev.copy_(host, non_blocking=True)
+                stream.synchronize()
+
+            await contiguous()
+            times = await timed(contiguous, repeats)
+            result[f"contiguous_{direction}_gbps"] = (
+                host.numel() * 2 / statistics.median(times) / GB
+            )
+    del layout
+    torch.cuda.empty_cache()
+    return result
+
+
+async def matmul_slowdown(repeats: int) -> dict[str, Any]:
+    """bf16 matmul time alone, during back-to-back stores of each method, and during a
+    contiguous DMA copy loop."""
+    n = 2048
+    layout = make_layout(32, 2 * n, 32 << 10)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def matmuls() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(50):
+            torch.mm(a, b)
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
+    matmuls()
+    alone = statistics.median(matmuls() for _ in range(repeats))
+    out: dict[str, Any] = {"matmul_alone_ms": alone}
+    async with OffloadManager.for_kv(layout, 2 * n, backend="cuda") as mgr:
+        await mgr.pinned
+        for method in ("pack", "kernel", "batch", "contiguous"):
+            stop = anyio.Event()
+
+            async def traffic(method: str = method, stop: anyio.Event = stop) -> None:
+                host = mgr.host_blocks().view(-1)
+                dev = torch.empty(host.numel() // 4, dtype=host.dtype, device="cuda")
+                side = torch.cuda.Stream()
+                while not stop.is_set():
+                    if method == "contiguous":
+                        with torch.cuda.stream(side):
+                            host[: dev.numel()].copy_(dev, non_blocking=True)
+                        await anyio.to_thread.run_sync(side.synchronize)
+                    else:
+                        g = torch.randperm(2 * n)[:n].tolist()
+                        c = torch.randperm(2 * n)[:n].tolist()
+                        await mgr.store(g, c, method=method)  # type: ignore[arg-type]
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(traffic)
+                await anyio.sleep(0.2)
+                times = []
+                for _ in range(repeats):
+                    times.append(await anyio.to_thread.run_sync(matmuls))
+                stop.set()
+            out[f"matmul_during_{method}_ms"] = statistics.median(times)
+            out[f"slowdown_{method}_pct"] = (statistics.median(times) / alone - 1) * 100
+    return out
+
+
+async def await_latency(samples: int) -> dict[str, Any]:
+    """One-block store: asyncpin's await vs `await to_thread(event.synchronize)`."""
+    layout = make_layout(32, 64, 32 << 10)
+    out: dict[str, Any] = {}
+    async with OffloadManager.for_kv(layout, 64, backend="cuda") as mgr:
+        await mgr.pinned
+        method: Method
+        for method in ("pack", "batch"):
+            lat = []
+            for i in range(samples + 20):
+                t0 = time.perf_counter()
+                await mgr.store([i % 64], [(i * 7) % 64], method=method)
+                lat.append(time.perf_counter() - t0)
+            lat = sorted(lat[20:])
+            out[f"asyncpin_{method}_p50_us"] = lat[len(lat) // 2] * 1e6
+            out[f"asyncpin_{method}_p99_us"] = lat[int(len(lat) * 0.99)] * 1e6
+        # Peer: same one-block copy enqueued, then await to_thread(event.synchronize).
+        host = mgr.host_blocks()
+        src = layout.arrays[0]
+        stream = torch.cuda.Stream()
+        lat = []
+        for i in range(samples + 20):
+            t0 = time.perf_counter()
+            with torch.cuda.stream(stream):
+                for a in range(layout.num_arrays):
+                    host[(i * 7) % 64, a].copy_(layout.arrays[a][i % 64], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            await anyio.to_thread.run_sync(ev.synchronize)
+            lat.append(time.perf_counter() - t0)
+        del src
+        lat = sorted(lat[20:])
+        out["peer_to_thread_p50_us"] = lat[len(lat) // 2] * 1e6
+        out["peer_to_thread_p99_us"] = lat[int(len(lat) * 0.99)] * 1e6
+        # CPU spent by the process while awaiting a long store: no core spinning.
+        g = list(range(64))
+        torch.cuda._sleep(1_000_000_000)
+        c0, t0 = time.process_time(), time.perf_counter()
+        await mgr.store(g, g)
+        out["await_cpu_over_wall"] = (time.process_time() - c0) / (time.perf_counter() - t0)
+    return out
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, direction in zip(axes, ("store", "load"), strict=True):
+        sizes = [r["block_bytes"] for r in report["sizes"]]
+        for key, label in (
+            ("pack", "asyncpin pack"),
+            ("kernel", "asyncpin kernel (UVA)"),
+            ("batch", "asyncpin batch"),
+            ("peer_batch", "peer: cudaMemcpyBatchAsync"),
+            ("peer_loop", "peer: cudaMemcpyAsync loop"),
+            ("contiguous", "contiguous DMA"),
+        ):
+            ys = [r.get(f"{key}_{direction}_gbps") for r in report["sizes"]]
+            pts = [(s, y) for s, y in zip(sizes, ys, strict=True) if y is not None]
+            if pts:
+                ax.plot([p[0] / 1024 for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size per array (KiB)")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"{direction} ({'GPU→host' if direction == 'store' else 'host→GPU'}), H200")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "device": torch.cuda.get_device_name(),
+        "sizes": [],
+    }
+    total = 4 << 30
+    for block_bytes in (8 << 10, 32 << 10, 256 << 10, 2 << 20):
+        n = max(total // (64 * block_bytes), 16)
+        report["sizes"].append(await bench_size(block_bytes, n, args.repeats, peers=True))
+        print(json.dumps(report["sizes"][-1]), flush=True)
+    report["matmul"] = await matmul_slowdown(args.repeats)
+    print(json.dumps(report["matmul"]), flush=True)
+    report["latency"] = await await_latency(args.samples)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--samples", type=int, default=300)
+    parser.add_argument("--json-out", default=None)
+    parser.add_argument("--plot", default=None)
+    args = parser.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
+    report = anyio.run(main_async, args)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot(report, args.plot)
+    print(f"\n{report['device']} torch {report['torch']} cuda {report['cuda_runtime']}")
+    print(
+        f"{'block/array':>11} {'dir':>5} {'pack':>6} {'kernel':>6} {'batch':>6} "
+        f"{'peer bat':>8} {'peer loop':>9} {'contig':>6}  GB/s"
+    )
+    for r in report["sizes"]:
+        for d in ("store", "load"):
+            cells = [
+                r.get(f"{k}_{d}_gbps")
+                for k in ("pack", "kernel", "batch", "peer_batch", "peer_loop", "contiguous")
+            ]
+            print(
+                f"{r['block_bytes'] // 1024:>8} KiB {d:>5} "
+                + " ".join(f"{c:>6.1f}" if c is not None else f"{'-':>6}" for c in cells)
+            )
+        print(f"{'':>11} both at once (auto): {r['both_at_once_gbps']:.1f} GB/s")
+        errors = {k: v for k, v in r.items() if k.endswith("_error")}
+        if errors:
+            print("   errors:", errors)
+    m = report["matmul"]
+    print(
+        "matmul slowdown %: "
+        + ", ".join(
+            f"{k}: {m[f'slowdown_{k}_pct']:.1f}" for k in ("pack", "kernel", "batch", "contiguous")
+        )
+    )
+    lat = report["latency"]
+    print(
+        f"await one block p50/p99 us: pack {lat['asyncpin_pack_p50_us']:.0f}/"
+        f"{lat['asyncpin_pack_p99_us']:.0f}, batch {lat['asyncpin_batch_p50_us']:.0f}/"
+        f"{lat['asyncpin_batch_p99_us']:.0f}, peer to_thread(event.synchronize) "
+        f"{lat['peer_to_thread_p50_us']:.0f}/{lat['peer_to_thread_p99_us']:.0f}; "
+        f"CPU/wall while awaiting {lat['await_cpu_over_wall']:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""KV transfers on a real GPU, every method and both directions (`pytest -m cuda`)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import anyio.lowlevel
+import pytest
+import torch
+
+from asyncpin import KVLayout, OffloadManager, Transfer
+
+pytestmark = pytest.mark.cuda
+
+MiB = 1 << 20
+LAYERS, BLOCKS, HOST_BLOCKS = 8, 1024, 1024
+METHODS = ["batch", "pack", "kernel"]
+
+
+def _kv(dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    # Per layer [2, blocks, 16 tokens, 8 heads, 128]: K and V joined, 32 KiB per block.
+    return [torch.randn(2, BLOCKS, 16, 8, 128, device="cuda").to(dtype) for _ in range(LAYERS)]
+
+
+@asynccontextmanager
+async def kv_manager() -> AsyncIterator[tuple[OffloadManager, KVLayout]]:
+    # Entered in the test's own task: the manager's task group must open and close there.
+    layout = KVLayout.from_tensors(_kv(), block_dim=1)
+    async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend="cuda") as mgr:
+        await mgr.pinned
+        yield mgr, layout
+
+
+def _ids(n: int, limit: int) -> list[int]:
+    return random.sample(range(limit), n)
+
+
+def _check_host(mgr: OffloadManager, layout: KVLayout, gpu: list[int], cpu: list[int]) -> None:
+    host = mgr.host_blocks()[cpu].to("cuda")
+    for a, array in enumerate(layout.arrays):
+        assert torch.equal(host[:, a], array[gpu]), f"array {a} differs after store"
+
+
+class TestRoundTrips:
+    """Every method stores and loads random blocks byte for byte."""
+
+    @pytest.mark.parametrize("method", METHODS)
+    async def test_store_then_load(self, method: str) -> None:
+        async with kv_manager() as (mgr, layout):
+            gpu, cpu = _ids(700, BLOCKS), _ids(700, HOST_BLOCKS)
+            with anyio.fail_after(60):
+                await mgr.store(gpu, cpu, method=method)  # type: ignore[arg-type]
+            _check_host(mgr, layout, gpu, cpu)
+            before = [a.clone() for a in layout.arrays]
+            for array in layout.arrays:
+                array[gpu] = torch.randn_like(array[gpu])
+            dest = _ids(700, BLOCKS)
+            with anyio.fail_after(60):
+                transfer = mgr.load(cpu, dest, method=method)  # type: ignore[arg-type]
+                await transfer
+            assert transfer.method == method and transfer.path == "pinned"
+            untouched = sorted(set(range(BLOCKS)) - set(dest))
+            for a, array in enumerate(layout.arrays):
+                assert torch.equal(array[dest], before[a][gpu]), f"array {a} differs after load"
+                changed_by_test = set(gpu) - set(dest)
+                keep = [b for b in untouched if b not in changed_by_test]
+                assert torch.equal(array[keep], before[a][keep]), "load wrote outside its blocks"
+
+    async def test_methods_at_once_both_directions(self) -> None:
+        async with kv_manager() as (mgr, layout):
+            cpu_a, cpu_b = _ids(400, HOST_BLOCKS // 2), _ids(400, HOST_BLOCKS // 2)
+            cpu_b = [c + HOST_BLOCKS // 2 for c in cpu_b]
+            gpu_a = _ids(400, BLOCKS // 2)
+            await mgr.store(gpu_a, cpu_b)
+            snapshot = mgr.host_blocks()[cpu_b].clone()
+            gpu_dst = [g + BLOCKS // 2 for g in _ids(400, BLOCKS // 2)]
+            # A store into one half of the host while a load reads the other half.
+            with anyio.fail_after(60):
+                store = mgr.store(_ids(400, BLOCKS // 2), cpu_a)
+                load = mgr.load(cpu_b, gpu_dst)
+                await store
+                await load
+            for a, array in enumerate(layout.arrays):
+                assert torch.equal(array[gpu_dst].cpu(), snapshot[:, a])
+
+
+class TestStreamOrder:
+    """Store waits for the producer's stream; load hands the consumer an event."""
+
+    async def test_store_waits_for_the_compute_stream(self) -> None:
+        async with kv_manager() as (mgr, layout):
+            gpu, cpu = _ids(64, BLOCKS), _ids(64, HOST_BLOCKS)
+            torch.cuda._sleep(200_000_000)  # the producer is still busy...
+            for array in layout.arrays:
+                array[gpu] = 7  # ...when it writes the blocks
+            await mgr.store(gpu, cpu)
+            host = mgr.host_blocks()[cpu]
+            assert bool((host == 7).all()), "the store copied blocks before they were produced"
+
+    async def test_compute_stream_waits_on_the_load_event(self) -> None:
+        async with kv_manager() as (mgr, layout):
+            cpu, gpu = _ids(64, HOST_BLOCKS), _ids(64, BLOCKS)
+            mgr.host_blocks()[cpu] = 3
+            transfer = mgr.load(cpu, gpu)
+            torch.cuda.current_stream().wait_event(transfer.event)
+            sums = torch.stack([array[gpu].float().sum() for array in layout.arrays])
+            expected = 3.0 * layout.arrays[0][gpu].numel()
+            assert torch.all(sums == expected).item()
+            await transfer
+
+
+class TestAwaiting:
+    """The awaiting coroutine is woken without polling and may be cancelled safely."""
+
+    async def test_other_coroutines_run_while_awaiting(self) -> None:
+        async with kv_manager() as (mgr, _):
+            ticks = 0
+            done = anyio.Event()
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while not done.is_set():
+                    ticks += 1
+                    await anyio.lowlevel.checkpoint()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ticker)
+                torch.cuda._sleep(
+                    500_000_000,
+                )
+                await mgr.store(_ids(800, BLOCKS), _ids(800, HOST_BLOCKS))
+                done.set()
+            assert ticks > 10
+
+    async def test_cancelled_waiter_leaves_the_copy_alone(self) -> None:
+        async with kv_manager() as (mgr, layout):
+            gpu, cpu = _ids(500, BLOCKS), _ids(500, HOST_BLOCKS)
+            torch.cuda._sleep(300_000_000)
+            transfer: Transfer = mgr.store(gpu, cpu)
+            with anyio.move_on_after(0) as scope:
+                await transfer
+            assert scope.cancelled_caught and not transfer.done()
+            with anyio.fail_after(60):
+                await transfer
+            _check_host(mgr, layout, gpu, cpu)
+            assert mgr.stats().transfers_in_flight == 0
