@@ -163,8 +163,11 @@ class CudaTransferEngine:
 
     name = "cuda"
 
-    def __init__(self, layout: KVLayout, host_blocks: torch.Tensor, start_soon: Any) -> None:
+    def __init__(
+        self, layout: KVLayout, host_blocks: torch.Tensor, start_soon: Any, *, chunk_bytes: int
+    ) -> None:
         self._layout = layout
+        self._chunk_bytes = chunk_bytes
         self._device = layout.device
         self._start_soon = start_soon
         self._token = anyio.lowlevel.current_token()
@@ -261,11 +264,7 @@ class CudaTransferEngine:
     def _batch(self, job: TransferJob, stream: torch.cuda.Stream) -> None:
         device, host = self._segments(job)
         sizes = torch.full_like(device, self._layout.block_bytes)
-        if job.transfer.direction == "store":
-            self._rt.copy_segments(host, device, sizes, stream.cuda_stream)
-        else:
-            self._rt.copy_segments(device, host, sizes, stream.cuda_stream)
-        job.keep += [device, host, sizes]
+        job.keep += self.copy_host(host, device, sizes, job.transfer.direction == "store", stream)
 
     def _kernel_copy(
         self, job: TransferJob, host_base: int, cpu_ids: torch.Tensor, ctas: int
@@ -338,11 +337,48 @@ class CudaTransferEngine:
         host = self._host_base + cpu_ids[starts] * size
         local = staging + starts * size
         sizes = lengths * size
+        keep += self.copy_host(host, local, sizes, to_host, stream)
+
+    def copy_host(
+        self,
+        host: torch.Tensor,
+        device: torch.Tensor,
+        sizes: torch.Tensor,
+        to_host: bool,
+        stream: torch.cuda.Stream,
+    ) -> list[torch.Tensor]:
+        """DMA between host ranges of the region and device ranges; returns the address
+        tensors to keep alive. A DMA must not span two registrations (the driver answers
+        cudaErrorInvalidValue), so ranges are cut at chunk boundaries."""
+        host, device, sizes = self._split_at_chunks(host, device, sizes)
         if to_host:
-            self._rt.copy_segments(host, local, sizes, stream.cuda_stream)
+            self._rt.copy_segments(host, device, sizes, stream.cuda_stream)
         else:
-            self._rt.copy_segments(local, host, sizes, stream.cuda_stream)
-        keep += [host, local, sizes]
+            self._rt.copy_segments(device, host, sizes, stream.cuda_stream)
+        return [host, device, sizes]
+
+    def _split_at_chunks(
+        self, host: torch.Tensor, other: torch.Tensor, sizes: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        base, chunk = self._host_base, self._chunk_bytes
+        crosses = (host - base) // chunk != (host + sizes - 1 - base) // chunk
+        if not bool(crosses.any()):
+            return host, other, sizes
+        parts: list[tuple[int, int, int]] = []
+        for h, o, z in zip(
+            host[crosses].tolist(), other[crosses].tolist(), sizes[crosses].tolist(), strict=True
+        ):
+            while z > 0:
+                part = min(z, base + ((h - base) // chunk + 1) * chunk - h)
+                parts.append((h, o, part))
+                h, o, z = h + part, o + part, z - part
+        extra = torch.tensor(parts, dtype=torch.int64)
+        keep = ~crosses
+        return (
+            torch.cat([host[keep], extra[:, 0]]),
+            torch.cat([other[keep], extra[:, 1]]),
+            torch.cat([sizes[keep], extra[:, 2]]),
+        )
 
     def close(self) -> None:
         for waiter in self._waiters.values():

@@ -536,7 +536,9 @@ class OffloadManager:
         if layout.device.type == "cuda":
             from asyncpin.cuda_transfers import CudaTransferEngine
 
-            return CudaTransferEngine(layout, self._host_blocks, self._tg.start_soon)
+            return CudaTransferEngine(
+                layout, self._host_blocks, self._tg.start_soon, chunk_bytes=self._chunk_bytes
+            )
         if layout.device.type == "cpu":
             return HostTransferEngine(layout, self._host_blocks, self._tg.start_soon)
         raise ConfigError(f"KV arrays on {layout.device} are not supported")

@@ -165,7 +165,7 @@ def block_ids(ids: Sequence[int] | torch.Tensor, what: str, limit: int) -> torch
             raise InvalidTransferError(f"{what} must be integers, got dtype {ids.dtype}")
         if ids.dim() != 1:
             raise InvalidTransferError(f"{what} must be 1-D, got shape {tuple(ids.shape)}")
-        out = ids.to(torch.int64)
+        out = ids.to(torch.int64, copy=True)  # the caller may reuse its buffer at once
     else:
         try:
             values = list(ids)

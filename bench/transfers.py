@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncpin import KVLayout, OffloadManager
-from asyncpin.cuda_transfers import _Runtime
+from asyncpin.cuda_transfers import CudaTransferEngine, _Runtime
 from asyncpin.transfers import Direction, Method
 
 GB = 1e9
@@ -116,7 +116,7 @@ async def bench_size(block_bytes: int, n: int, repeats: int, peers: bool) -> dic
                 async def batch_peer(
                     dst: torch.Tensor = dst, src: torch.Tensor = src, sizes: torch.Tensor = sizes
                 ) -> None:
-                    rt.copy_segments(dst, src, sizes, stream.cuda_stream)
+                    rt.copy_segments(dst, src, sizes, stream.cuda_stream)  # one call, as vLLM
                     stream.synchronize()
 
                 await batch_peer()
@@ -136,11 +136,14 @@ async def bench_size(block_bytes: int, n: int, repeats: int, peers: bool) -> dic
         host_addr = torch.tensor([mgr.host_blocks().data_ptr()], dtype=torch.int64)
         dev_addr = torch.tensor([dev.data_ptr()], dtype=torch.int64)
         size = torch.tensor([span], dtype=torch.int64)
+        engine = mgr._engine
+        assert isinstance(engine, CudaTransferEngine)
         for direction in ("store", "load"):
-            dst, src = (host_addr, dev_addr) if direction == "store" else (dev_addr, host_addr)
 
-            async def contiguous(dst: torch.Tensor = dst, src: torch.Tensor = src) -> None:
-                rt.copy_segments(dst, src, size, stream.cuda_stream)
+            async def contiguous(direction: str = direction) -> None:
+                # Cut at the region's registration boundaries (16 MiB pieces), as any DMA
+                # into a chunked registration must be.
+                engine.copy_host(host_addr, dev_addr, size, direction == "store", stream)
                 stream.synchronize()
 
             await contiguous()
