@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -26,10 +27,10 @@ def _kv(dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
 
 
 @asynccontextmanager
-async def kv_manager() -> AsyncIterator[tuple[OffloadManager, KVLayout]]:
+async def kv_manager(**kwargs: Any) -> AsyncIterator[tuple[OffloadManager, KVLayout]]:
     # Entered in the test's own task: the manager's task group must open and close there.
     layout = KVLayout.from_tensors(_kv(), block_dim=1)
-    async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend="cuda") as mgr:
+    async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend="cuda", **kwargs) as mgr:
         await mgr.pinned
         yield mgr, layout
 
@@ -85,6 +86,24 @@ class TestRoundTrips:
                 await load
             for a, array in enumerate(layout.arrays):
                 assert torch.equal(array[gpu_dst].cpu(), snapshot[:, a])
+
+
+class TestRegistrationBoundaries:
+    """Runs of consecutive host blocks that span several registrations still copy."""
+
+    @pytest.mark.parametrize("method", METHODS)
+    async def test_consecutive_blocks_across_chunks(self, method: str) -> None:
+        # 512 KiB host blocks, 1.5 MiB chunks: blocks and runs straddle registrations.
+        async with kv_manager(chunk_bytes=3 * 512 * 1024 // 2) as (mgr, layout):
+            gpu, cpu = _ids(300, BLOCKS), list(range(101, 401))
+            with anyio.fail_after(60):
+                await mgr.store(gpu, cpu, method=method)  # type: ignore[arg-type]
+            _check_host(mgr, layout, gpu, cpu)
+            dest = _ids(300, BLOCKS)
+            with anyio.fail_after(60):
+                await mgr.load(cpu, dest, method=method)  # type: ignore[arg-type]
+            for a, array in enumerate(layout.arrays):
+                assert torch.equal(array[dest].cpu(), mgr.host_blocks()[cpu, a])
 
 
 class TestStreamOrder:
