@@ -45,7 +45,9 @@ _STAGING_BYTES = 256 << 20
 # model (BENCH.md: 8 CTAs reach 50 GB/s D2H, H2D needs 32).
 KERNEL_CTAS = {"store": 16, "load": 32}
 _PACK_CTAS = 132
-_BATCH_MIN_BLOCK_BYTES = 256 << 10  # from here on one DMA per segment is already fast
+# From here on one DMA per segment is as fast as packing (H200: 2 MiB batch 51.5 GB/s,
+# pack 49.9; at 256 KiB batch 45.4, pack 49.4): bench/RESULTS.md.
+_BATCH_MIN_BLOCK_BYTES = 1 << 20
 
 
 class _MemLocation(ctypes.Structure):

@@ -28,7 +28,7 @@ for step in $steps; do
         tests/test_cuda_transfers.py 2>&1 | tee "$OUT/ttests.log" | tail -30 ;;
     transfers)
       timeout 400 python3 bench/transfers.py --json-out "$OUT/transfers.json" \
-        --plot "$OUT/transfers.png" 2>&1 | tee "$OUT/transfers.log" | tail -25 ;;
+        --plot "$OUT/transfers.png" --only "${ONLY:-sizes,matmul,latency}" 2>&1 | tee "$OUT/transfers.log" | tail -25 ;;
     pinq)
       timeout 300 python3 bench/cuda_pinning.py --size 16GiB --configs 1 --repeats 3 \
         --json-out "$OUT/cuda_pinning_q.json" 2>&1 | tee "$OUT/pinq.log" | tail -14 ;;

@@ -181,13 +181,16 @@ async def matmul_slowdown(repeats: int) -> dict[str, Any]:
             stop = anyio.Event()
 
             async def traffic(method: str = method, stop: anyio.Event = stop) -> None:
-                host = mgr.host_blocks().view(-1)
-                dev = torch.empty(host.numel() // 4, dtype=host.dtype, device="cuda")
+                engine = mgr._engine
+                assert isinstance(engine, CudaTransferEngine)
+                dev = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+                host_addr = torch.tensor([mgr.host_blocks().data_ptr()], dtype=torch.int64)
+                dev_addr = torch.tensor([dev.data_ptr()], dtype=torch.int64)
+                size = torch.tensor([dev.numel()], dtype=torch.int64)
                 side = torch.cuda.Stream()
                 while not stop.is_set():
                     if method == "contiguous":
-                        with torch.cuda.stream(side):
-                            host[: dev.numel()].copy_(dev, non_blocking=True)
+                        engine.copy_host(host_addr, dev_addr, size, True, side)
                         await anyio.to_thread.run_sync(side.synchronize)
                     else:
                         g = torch.randperm(2 * n)[:n].tolist()
@@ -288,7 +291,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "sizes": [],
     }
     total = 4 << 30
-    for block_bytes in (8 << 10, 32 << 10, 256 << 10, 2 << 20):
+    for block_bytes in (8 << 10, 32 << 10, 256 << 10, 2 << 20) if "sizes" in args.only else ():
         n = max(total // (64 * block_bytes), 16)
         try:
             report["sizes"].append(await bench_size(block_bytes, n, args.repeats, peers=True))
@@ -296,9 +299,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             report["sizes"].append({"block_bytes": block_bytes, "blocks": n, "error": repr(exc)})
             torch.cuda.synchronize()
         print(json.dumps(report["sizes"][-1]), flush=True)
-    report["matmul"] = await matmul_slowdown(args.repeats)
-    print(json.dumps(report["matmul"]), flush=True)
-    report["latency"] = await await_latency(args.samples)
+    if "matmul" in args.only:
+        report["matmul"] = await matmul_slowdown(args.repeats)
+        print(json.dumps(report["matmul"]), flush=True)
+    if "latency" in args.only:
+        report["latency"] = await await_latency(args.samples)
+        print(json.dumps(report["latency"]), flush=True)
     return report
 
 
@@ -308,12 +314,13 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=300)
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--plot", default=None)
+    parser.add_argument("--only", default="sizes,matmul,latency", help="parts to run")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     report = anyio.run(main_async, args)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
-    if args.plot:
+    if args.plot and report["sizes"]:
         plot(report, args.plot)
     print(f"\n{report['device']} torch {report['torch']} cuda {report['cuda_runtime']}")
     print(
@@ -335,6 +342,8 @@ def main() -> None:
         errors = {k: v for k, v in r.items() if k.endswith("_error")}
         if errors:
             print("   errors:", errors)
+    if "matmul" not in report or "latency" not in report:
+        return
     m = report["matmul"]
     print(
         "matmul slowdown %: "
