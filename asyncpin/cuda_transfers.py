@@ -20,6 +20,7 @@ kept alive until that moment.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import queue
 import threading
@@ -125,6 +126,28 @@ def batch_copy_available() -> bool:
     return _Runtime().batch is not None
 
 
+_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+def _loop_caller() -> Callable[..., None]:
+    """A thread-safe, non-blocking "run this on the event loop soon" for the current loop:
+    asyncio's call_soon_threadsafe where it applies, anyio's portal otherwise."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio (trio): anyio's portal
+        token = anyio.lowlevel.current_token()
+
+        def call(fn: Callable[..., None], *args: Any) -> None:
+            anyio.from_thread.run_sync(fn, *args, token=token)
+
+        return call
+
+    def call_soon(fn: Callable[..., None], *args: Any) -> None:
+        loop.call_soon_threadsafe(fn, *args)
+
+    return call_soon
+
+
 class _Waiter:
     """One thread per stream: waits for each transfer's event in order, then reports."""
 
@@ -172,7 +195,14 @@ class CudaTransferEngine:
         self._chunk_bytes = chunk_bytes
         self._device = layout.device
         self._start_soon = start_soon
-        self._token = anyio.lowlevel.current_token()
+        self._call_soon = _loop_caller()
+        # "event": a waiter thread blocks on a blocking-sync event (robust: a device error
+        # surfaces as an exception). "hostfunc": cudaLaunchHostFunc runs a callback when the
+        # stream gets there (no thread hop of ours, but it never runs after a context error).
+        self.completion = "event"
+        self._hostfn = _HOST_FN(self._host_callback)
+        self._pending: dict[int, TransferJob] = {}
+        self._next_id = 0
         self._rt = _Runtime()
         self._kernel = _load_kernel() if layout.block_bytes % 8 == 0 else None
         self._streams: dict[Direction, torch.cuda.Stream] = {
@@ -239,17 +269,32 @@ class CudaTransferEngine:
             done = torch.cuda.Event(blocking=True)
             done.record(stream)
         job.transfer.event = done
-        self._waiters[direction].submit(done, lambda error: self._report(job, error))
+        if self.completion == "hostfunc":
+            self._next_id += 1
+            self._pending[self._next_id] = job
+            code = self._rt.lib.cudaLaunchHostFunc(
+                ctypes.c_void_p(stream.cuda_stream), self._hostfn, ctypes.c_void_p(self._next_id)
+            )
+            self._rt._check("cudaLaunchHostFunc", code)
+        else:
+            self._waiters[direction].submit(done, lambda error: self._report(job, error))
+
+    def _host_callback(self, user_data: int | None) -> None:
+        # Runs on a driver thread: no CUDA calls here, only hand the job to the loop.
+        job = self._pending.pop(user_data or 0)
+        self._call_soon(self._finish, job, None)
 
     def _report(self, job: TransferJob, error: BaseException | None) -> None:
         if error is not None and not isinstance(error, TransferError):
             wrapped = TransferError(f"{job.transfer.direction} failed on the device: {error}")
             wrapped.__cause__ = error
             error = wrapped
-        try:
-            anyio.from_thread.run_sync(job.transfer._finish, error, token=self._token)
-        finally:
-            job.keep.clear()
+        self._call_soon(self._finish, job, error)
+
+    @staticmethod
+    def _finish(job: TransferJob, error: BaseException | None) -> None:
+        job.transfer._finish(error)
+        job.keep.clear()
 
     # -- methods ----------------------------------------------------------------------
 

@@ -210,45 +210,58 @@ async def matmul_slowdown(repeats: int) -> dict[str, Any]:
 
 
 async def await_latency(samples: int) -> dict[str, Any]:
-    """One-block store: asyncpin's await vs `await to_thread(event.synchronize)`."""
-    layout = make_layout(32, 64, 32 << 10)
+    """One-block store, awaited: asyncpin (per method and completion mode) against the
+    peer `await to_thread(event.synchronize)` on the same copies. One block is 64 arrays
+    (the Llama-8B layout: 2 MiB) or 1 array (one 32 KiB segment)."""
     out: dict[str, Any] = {}
-    async with OffloadManager.for_kv(layout, 64, backend="cuda") as mgr:
-        await mgr.pinned
-        method: Method
-        for method in ("pack", "batch"):
+    for arrays in (64, 1):
+        layout = make_layout(arrays // 2 if arrays > 1 else 1, 64, 32 << 10)
+        if arrays == 1:
+            layout = KVLayout.from_tensors([layout.arrays[0]])
+        async with OffloadManager.for_kv(layout, 64, backend="cuda") as mgr:
+            await mgr.pinned
+            engine = mgr._engine
+            assert isinstance(engine, CudaTransferEngine)
+            method: Method
+            for completion in ("event", "hostfunc"):
+                engine.completion = completion
+                for method in ("batch", "pack"):
+                    lat, submit = [], []
+                    for i in range(samples + 20):
+                        t0 = time.perf_counter()
+                        transfer = mgr.store([i % 64], [(i * 7) % 64], method=method)
+                        submit.append(time.perf_counter() - t0)
+                        await transfer
+                        lat.append(time.perf_counter() - t0)
+                    key = f"{arrays}arr_{method}_{completion}"
+                    lat, submit = sorted(lat[20:]), sorted(submit[20:])
+                    out[f"{key}_p50_us"] = lat[len(lat) // 2] * 1e6
+                    out[f"{key}_p99_us"] = lat[int(len(lat) * 0.99)] * 1e6
+                    out[f"{key}_submit_p50_us"] = submit[len(submit) // 2] * 1e6
+            engine.completion = "event"
+            host = mgr.host_blocks()
+            stream = torch.cuda.Stream()
             lat = []
             for i in range(samples + 20):
                 t0 = time.perf_counter()
-                await mgr.store([i % 64], [(i * 7) % 64], method=method)
+                with torch.cuda.stream(stream):
+                    for a in range(layout.num_arrays):
+                        host[(i * 7) % 64, a].copy_(layout.arrays[a][i % 64], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                await anyio.to_thread.run_sync(ev.synchronize)
                 lat.append(time.perf_counter() - t0)
             lat = sorted(lat[20:])
-            out[f"asyncpin_{method}_p50_us"] = lat[len(lat) // 2] * 1e6
-            out[f"asyncpin_{method}_p99_us"] = lat[int(len(lat) * 0.99)] * 1e6
-        # Peer: same one-block copy enqueued, then await to_thread(event.synchronize).
-        host = mgr.host_blocks()
-        src = layout.arrays[0]
-        stream = torch.cuda.Stream()
-        lat = []
-        for i in range(samples + 20):
-            t0 = time.perf_counter()
-            with torch.cuda.stream(stream):
-                for a in range(layout.num_arrays):
-                    host[(i * 7) % 64, a].copy_(layout.arrays[a][i % 64], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-            await anyio.to_thread.run_sync(ev.synchronize)
-            lat.append(time.perf_counter() - t0)
-        del src
-        lat = sorted(lat[20:])
-        out["peer_to_thread_p50_us"] = lat[len(lat) // 2] * 1e6
-        out["peer_to_thread_p99_us"] = lat[int(len(lat) * 0.99)] * 1e6
-        # CPU spent by the process while awaiting a long store: no core spinning.
-        g = list(range(64))
-        torch.cuda._sleep(1_000_000_000)
-        c0, t0 = time.process_time(), time.perf_counter()
-        await mgr.store(g, g)
-        out["await_cpu_over_wall"] = (time.process_time() - c0) / (time.perf_counter() - t0)
+            out[f"{arrays}arr_peer_to_thread_p50_us"] = lat[len(lat) // 2] * 1e6
+            out[f"{arrays}arr_peer_to_thread_p99_us"] = lat[int(len(lat) * 0.99)] * 1e6
+            if arrays == 64:
+                g = list(range(64))
+                torch.cuda._sleep(1_000_000_000)
+                c0, t0 = time.process_time(), time.perf_counter()
+                await mgr.store(g, g)
+                wall = time.perf_counter() - t0
+                out["await_cpu_over_wall"] = (time.process_time() - c0) / wall
+        del layout
     return out
 
 
@@ -352,14 +365,19 @@ def main() -> None:
         )
     )
     lat = report["latency"]
-    print(
-        f"await one block p50/p99 us: pack {lat['asyncpin_pack_p50_us']:.0f}/"
-        f"{lat['asyncpin_pack_p99_us']:.0f}, batch {lat['asyncpin_batch_p50_us']:.0f}/"
-        f"{lat['asyncpin_batch_p99_us']:.0f}, peer to_thread(event.synchronize) "
-        f"{lat['peer_to_thread_p50_us']:.0f}/{lat['peer_to_thread_p99_us']:.0f}; "
-        f"CPU/wall while awaiting {lat['await_cpu_over_wall']:.2f}"
-    )
-
-
-if __name__ == "__main__":
-    main()
+    for arrays in (64, 1):
+        cells = []
+        for c in ("event", "hostfunc"):
+            for m in ("batch", "pack"):
+                key = f"{arrays}arr_{m}_{c}"
+                cells.append(
+                    f"{m}/{c} {lat[key + '_p50_us']:.0f}/{lat[key + '_p99_us']:.0f}"
+                    f" (submit {lat[key + '_submit_p50_us']:.0f})"
+                )
+        peer = lat[f"{arrays}arr_peer_to_thread_p50_us"], lat[f"{arrays}arr_peer_to_thread_p99_us"]
+        print(
+            f"await one block of {arrays} arrays p50/p99 us: "
+            + ", ".join(cells)
+            + f"; peer to_thread(event.synchronize) {peer[0]:.0f}/{peer[1]:.0f}"
+        )
+    print(f"CPU/wall while awaiting: {lat['await_cpu_over_wall']:.3f}")
