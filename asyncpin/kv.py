@@ -69,6 +69,8 @@ class KVLayout:
                 )
             arrays.extend(_split_leading(tensor, block_dim))
         first = arrays[0]
+        if first.shape[0] == 0 or first[0].numel() == 0:
+            raise ConfigError("KV arrays must hold at least one non-empty block")
         for n, array in enumerate(arrays):
             for what, mine, theirs in (
                 ("device", array.device, first.device),
@@ -83,8 +85,6 @@ class KVLayout:
                     f"KV array {n} (shape {tuple(array.shape)}, strides {array.stride()}) does "
                     "not hold each block contiguously"
                 )
-        if first.shape[0] == 0 or first[0].numel() == 0:
-            raise ConfigError("KV arrays must hold at least one non-empty block")
         return cls(
             arrays=tuple(arrays),
             num_blocks=int(first.shape[0]),

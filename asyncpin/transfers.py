@@ -24,7 +24,7 @@ import anyio
 import anyio.to_thread
 import torch
 
-from asyncpin.errors import InvalidTransferError
+from asyncpin.errors import InvalidTransferError, TransferError
 from asyncpin.kv import KVLayout
 
 __all__ = [
@@ -173,7 +173,10 @@ def block_ids(ids: Sequence[int] | torch.Tensor, what: str, limit: int) -> torch
             raise InvalidTransferError(f"{what} must be a sequence of ints or a tensor") from None
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
             raise InvalidTransferError(f"{what} must hold ints only")
-        out = torch.tensor(values, dtype=torch.int64)
+        try:
+            out = torch.tensor(values, dtype=torch.int64)
+        except (OverflowError, RuntimeError, ValueError):
+            raise InvalidTransferError(f"{what} holds ids that do not fit in int64") from None
     if out.numel():
         lo, hi = int(out.min()), int(out.max())
         if lo < 0 or hi >= limit:
@@ -208,10 +211,13 @@ class HostTransferEngine:
     async def _run(self, job: TransferJob) -> None:
         try:
             await anyio.to_thread.run_sync(self._copy, job, limiter=self._limiter)
-        except BaseException as exc:  # reported through the handle, never lost
+        except Exception as exc:  # reported through the handle, never lost
+            error = TransferError(f"{job.transfer.direction} failed: {exc}")
+            error.__cause__ = exc
+            job.transfer._finish(error)
+        except BaseException as exc:
             job.transfer._finish(exc)
-            if not isinstance(exc, Exception):
-                raise
+            raise
         else:
             job.transfer._finish()
 

@@ -355,15 +355,17 @@ def main() -> None:
         errors = {k: v for k, v in r.items() if k.endswith("_error")}
         if errors:
             print("   errors:", errors)
-    if "matmul" not in report or "latency" not in report:
-        return
-    m = report["matmul"]
-    print(
-        "matmul slowdown %: "
-        + ", ".join(
-            f"{k}: {m[f'slowdown_{k}_pct']:.1f}" for k in ("pack", "kernel", "batch", "contiguous")
+    if "matmul" in report:
+        m = report["matmul"]
+        print(
+            "matmul slowdown %: "
+            + ", ".join(
+                f"{k}: {m[f'slowdown_{k}_pct']:.1f}"
+                for k in ("pack", "kernel", "batch", "contiguous")
+            )
         )
-    )
+    if "latency" not in report:
+        return
     lat = report["latency"]
     for arrays in (64, 1):
         cells = []
@@ -381,3 +383,7 @@ def main() -> None:
             + f"; peer to_thread(event.synchronize) {peer[0]:.0f}/{peer[1]:.0f}"
         )
     print(f"CPU/wall while awaiting: {lat['await_cpu_over_wall']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

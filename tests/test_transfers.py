@@ -930,11 +930,6 @@ class TestBadTransferInput:
                 model.store([1, 2, 3], [10, 11, 12])
                 model.check()
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="bug: an id too large for int64 in a list raises a bare ValueError ('Overflow "
-        "when unpacking long long') from torch.tensor, not InvalidTransferError",
-    )
     async def test_ids_too_large_for_int64_are_refused(self, gen: torch.Generator) -> None:
         layout = small_kv(gen)
         with anyio.fail_after(TIMEOUT_S):
@@ -1059,11 +1054,6 @@ class TestBadLayout:
         for word in words:
             assert word in str(info.value), f"{word!r} not in {str(info.value)!r}"
 
-    @pytest.mark.xfail(
-        strict=True,
-        raises=IndexError,
-        reason="bug: KVLayout.from_tensors indexes block 0 before checking for zero blocks",
-    )
     def test_from_tensors_refuses_zero_blocks(self) -> None:
         with pytest.raises(ConfigError, match="at least one non-empty block"):
             KVLayout.from_tensors([torch.ones(0, 8)])
@@ -1209,3 +1199,21 @@ class TestStats:
                 assert stats.transfers_failed == 0
                 assert stats.transfers_in_flight == 0
         assert mgr.stats().bytes_stored == 14 * size  # kept after close
+
+
+class TestCopyFailure:
+    """A copy that fails is reported as a TransferError with the cause chained."""
+
+    async def test_failed_copy_is_a_transfer_error(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        def broken(self: HostTransferEngine, job: TransferJob) -> None:
+            raise RuntimeError("injected copy failure")
+
+        monkeypatch.setattr(HostTransferEngine, "_copy", broken)
+        layout = KVLayout.from_tensors([torch.randint(1, 255, (8, 64), dtype=torch.uint8)])
+        with anyio.fail_after(TIMEOUT_S):
+            async with OffloadManager.for_kv(layout, 8, backend=FakeBackend()) as mgr:
+                await mgr.pinned
+                with pytest.raises(TransferError, match="injected copy failure") as info:
+                    await mgr.store([0], [0])
+                assert isinstance(info.value.__cause__, RuntimeError)
+                assert mgr.stats().transfers_failed == 1
