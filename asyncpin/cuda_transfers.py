@@ -126,9 +126,6 @@ def batch_copy_available() -> bool:
     return _Runtime().batch is not None
 
 
-_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-
-
 def _loop_caller() -> Callable[..., None]:
     """A thread-safe, non-blocking "run this on the event loop soon" for the current loop:
     asyncio's call_soon_threadsafe where it applies, anyio's portal otherwise."""
@@ -196,13 +193,7 @@ class CudaTransferEngine:
         self._device = layout.device
         self._start_soon = start_soon
         self._call_soon = _loop_caller()
-        # "event": a waiter thread blocks on a blocking-sync event (robust: a device error
-        # surfaces as an exception). "hostfunc": cudaLaunchHostFunc runs a callback when the
-        # stream gets there (no thread hop of ours, but it never runs after a context error).
-        self.completion = "event"
-        self._hostfn = _HOST_FN(self._host_callback)
-        self._pending: dict[int, TransferJob] = {}
-        self._next_id = 0
+
         self._rt = _Runtime()
         self._kernel = _load_kernel() if layout.block_bytes % 8 == 0 else None
         self._streams: dict[Direction, torch.cuda.Stream] = {
@@ -269,20 +260,11 @@ class CudaTransferEngine:
             done = torch.cuda.Event(blocking=True)
             done.record(stream)
         job.transfer.event = done
-        if self.completion == "hostfunc":
-            self._next_id += 1
-            self._pending[self._next_id] = job
-            code = self._rt.lib.cudaLaunchHostFunc(
-                ctypes.c_void_p(stream.cuda_stream), self._hostfn, ctypes.c_void_p(self._next_id)
-            )
-            self._rt._check("cudaLaunchHostFunc", code)
-        else:
-            self._waiters[direction].submit(done, lambda error: self._report(job, error))
-
-    def _host_callback(self, user_data: int | None) -> None:
-        # Runs on a driver thread: no CUDA calls here, only hand the job to the loop.
-        job = self._pending.pop(user_data or 0)
-        self._call_soon(self._finish, job, None)
+        # A blocking-sync event: the waiter thread sleeps until the copy is done, and a
+        # device error surfaces there as an exception. (cudaLaunchHostFunc was measured as
+        # an alternative: no faster at p50, worse at p99, and it never runs after a
+        # context error, which would leave the transfer pending forever.)
+        self._waiters[direction].submit(done, lambda error: self._report(job, error))
 
     def _report(self, job: TransferJob, error: BaseException | None) -> None:
         if error is not None and not isinstance(error, TransferError):

@@ -29,6 +29,9 @@ for step in $steps; do
     transfers)
       timeout 400 python3 bench/transfers.py --json-out "$OUT/transfers.json" \
         --plot "$OUT/transfers.png" --only "${ONLY:-sizes,matmul,latency}" 2>&1 | tee "$OUT/transfers.log" | tail -25 ;;
+    profile)
+      timeout 120 python3 bench/submit_profile.py 2>&1 | tee "$OUT/profile.log" \
+        | grep -E "submit p50|tottime|^ +[0-9]+ +[0-9.]+ +[0-9.]+" | head -40 ;;
     pinq)
       timeout 300 python3 bench/cuda_pinning.py --size 16GiB --configs 1 --repeats 3 \
         --json-out "$OUT/cuda_pinning_q.json" 2>&1 | tee "$OUT/pinq.log" | tail -14 ;;

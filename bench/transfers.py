@@ -223,8 +223,7 @@ async def await_latency(samples: int) -> dict[str, Any]:
             engine = mgr._engine
             assert isinstance(engine, CudaTransferEngine)
             method: Method
-            for completion in ("event", "hostfunc"):
-                engine.completion = completion
+            for completion in ("event",):
                 for method in ("batch", "pack"):
                     lat, submit = [], []
                     for i in range(samples + 20):
@@ -238,7 +237,6 @@ async def await_latency(samples: int) -> dict[str, Any]:
                     out[f"{key}_p50_us"] = lat[len(lat) // 2] * 1e6
                     out[f"{key}_p99_us"] = lat[int(len(lat) * 0.99)] * 1e6
                     out[f"{key}_submit_p50_us"] = submit[len(submit) // 2] * 1e6
-            engine.completion = "event"
             host = mgr.host_blocks()
             stream = torch.cuda.Stream()
             lat = []
@@ -369,7 +367,7 @@ def main() -> None:
     lat = report["latency"]
     for arrays in (64, 1):
         cells = []
-        for c in ("event", "hostfunc"):
+        for c in ("event",):
             for m in ("batch", "pack"):
                 key = f"{arrays}arr_{m}_{c}"
                 cells.append(
