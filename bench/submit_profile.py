@@ -27,13 +27,13 @@ async def main() -> None:
         await mgr.pinned
         for method in ("batch", "pack"):
             for i in range(50):
-                await mgr.store([i % 64], [(i * 7) % 64], method=method)  # type: ignore[arg-type]
+                await mgr.store([i % 64], [(i * 7) % 64], method=method)
             profile = cProfile.Profile()
             submit = []
             for i in range(300):
                 t0 = time.perf_counter()
                 profile.enable()
-                transfer = mgr.store([i % 64], [(i * 7) % 64], method=method)  # type: ignore[arg-type]
+                transfer = mgr.store([i % 64], [(i * 7) % 64], method=method)
                 profile.disable()
                 submit.append(time.perf_counter() - t0)
                 await transfer
