@@ -21,6 +21,7 @@ import anyio
 import anyio.to_thread
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
+from asyncpin._outcome import Outcome
 from asyncpin.errors import BackendCallError, PinError
 from asyncpin.gate import PauseGate
 from asyncpin.region import Chunk, HostRegion
@@ -40,41 +41,20 @@ class ChunkState(enum.Enum):
     LEAKED = "leaked"
 
 
-class PinnedSignal:
+class PinnedSignal(Outcome):
     """Awaitable readiness: completes when every chunk is pinned, raises if that failed.
 
     ``await mgr.pinned`` and ``await mgr.pinned.wait()`` are the same. On failure it raises
     the :class:`PinError`; if the manager closed first it raises ``ClosedResourceError``.
     """
 
-    __slots__ = ("_error", "_event")
-
-    def __init__(self) -> None:
-        self._event = anyio.Event()
-        self._error: BaseException | None = None
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
+    __slots__ = ()
 
     def succeeded(self) -> bool:
-        return self._event.is_set() and self._error is None
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
+        return self.is_set() and self.error is None
 
     def resolve(self, error: BaseException | None = None) -> None:
-        if not self._event.is_set():
-            self._error = error
-            self._event.set()
-
-    async def wait(self) -> None:
-        await self._event.wait()
-        if self._error is not None:
-            raise self._error
-
-    def __await__(self):  # type: ignore[no-untyped-def]
-        return self.wait().__await__()
+        self._settle(error)
 
 
 class PinScheduler:

@@ -24,6 +24,7 @@ import anyio
 import anyio.to_thread
 import torch
 
+from asyncpin._outcome import Outcome
 from asyncpin.errors import InvalidTransferError, TransferError
 from asyncpin.kv import KVLayout
 
@@ -42,7 +43,7 @@ Direction = Literal["store", "load"]
 Method = Literal["auto", "host", "batch", "pack", "kernel"]
 
 
-class Transfer:
+class Transfer(Outcome):
     """Handle of one store or load: awaitable, with ``done()``, ``nbytes``, ``elapsed_s``.
 
     ``await transfer`` (or ``await transfer.wait()``) returns when the device work is
@@ -53,8 +54,6 @@ class Transfer:
 
     __slots__ = (
         "_callbacks",
-        "_done",
-        "_error",
         "direction",
         "event",
         "method",
@@ -74,16 +73,11 @@ class Transfer:
         self.event: Any = None
         self.t_submit = time.perf_counter()
         self.t_done: float | None = None
-        self._done = anyio.Event()
-        self._error: BaseException | None = None
+        super().__init__()
         self._callbacks: list[Callable[[Transfer], None]] = []
 
     def done(self) -> bool:
-        return self._done.is_set()
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
+        return self.is_set()
 
     @property
     def elapsed_s(self) -> float | None:
@@ -91,20 +85,11 @@ class Transfer:
         return None if self.t_done is None else self.t_done - self.t_submit
 
     def _finish(self, error: BaseException | None = None) -> None:
-        if not self._done.is_set():
-            self.t_done = time.perf_counter()
-            self._error = error
-            self._done.set()
+        t_done = time.perf_counter()
+        if self._settle(error):
+            self.t_done = t_done
             for callback in self._callbacks:
                 callback(self)
-
-    async def wait(self) -> None:
-        await self._done.wait()
-        if self._error is not None:
-            raise self._error
-
-    def __await__(self):  # type: ignore[no-untyped-def]
-        return self.wait().__await__()
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "in flight"
