@@ -8,7 +8,7 @@ import itertools
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
@@ -185,7 +185,8 @@ class OffloadManager:
                 or num_host_blocks < 1
             ):
                 raise ConfigError(f"num_host_blocks must be an int >= 1, got {num_host_blocks!r}")
-            if self._nbytes < num_host_blocks * kv_layout.host_block_bytes:
+            # An attacher learns the region's size at __aenter__ and checks it there.
+            if not _attach and self._nbytes < num_host_blocks * kv_layout.host_block_bytes:
                 raise ConfigError(
                     f"{num_host_blocks} host blocks of {kv_layout.host_block_bytes} bytes do not "
                     f"fit in nbytes={nbytes}; use OffloadManager.for_kv(layout, num_host_blocks)"
@@ -200,6 +201,7 @@ class OffloadManager:
         self._engine: TransferEngine | None = None
         self._host_blocks: torch.Tensor | None = None
         self._inflight: set[Transfer] = set()
+        self._observers: list[Callable[[Transfer], None]] = []
         self._idle = anyio.Event()
         self._idle.set()
         self._progress = anyio.Event()
@@ -256,7 +258,9 @@ class OffloadManager:
     def attached(cls, name: str, **kwargs: Any) -> OffloadManager:
         """A manager over the shared region another process created as ``name``.
 
-        It pins its own mapping (as CUDA requires per process) and never unlinks it.
+        It pins its own mapping (as CUDA requires per process) and never unlinks it. With
+        ``kv_layout=`` and ``num_host_blocks=``, entering raises ConfigError (and releases
+        the mapping) if the region is smaller than ``num_host_blocks`` host blocks.
         """
         return cls(0, backing="shared", name=name, _attach=True, **kwargs)
 
@@ -277,6 +281,14 @@ class OffloadManager:
             )
         try:
             self._nbytes = region.nbytes
+            if self._layout is not None:
+                needed = self._num_host_blocks * self._layout.host_block_bytes
+                if region.nbytes < needed:
+                    raise ConfigError(
+                        f"shared region {self._name!r} holds {region.nbytes} bytes: too small "
+                        f"for {self._num_host_blocks} host blocks of "
+                        f"{self._layout.host_block_bytes} bytes ({needed} bytes)"
+                    )
             chunks = region.chunks(self._chunk_bytes)
             self._scheduler = PinScheduler(
                 region,
@@ -613,6 +625,14 @@ class OffloadManager:
             self._tg.start_soon(self._enqueue_when_pinned, job, needed)
         return transfer
 
+    def add_transfer_observer(self, observer: Callable[[Transfer], None]) -> None:
+        """Call ``observer(transfer)`` on the event loop as each transfer of this manager
+        finishes, failed ones included (``transfer.error``), once ``stats()`` counts it;
+        ``transfer.elapsed_s`` is set. Add it before entering to see every transfer. It
+        must be quick and not block; an exception from it is logged
+        (``transfer.observer_failed``) and never reaches the transfer or the manager."""
+        self._observers.append(observer)
+
     def _track(self, transfer: Transfer) -> None:
         self._counts["stored" if transfer.direction == "store" else "loaded"] += 1
         if not self._inflight:
@@ -629,6 +649,13 @@ class OffloadManager:
             self._counts[key] += transfer.nbytes
         if not self._inflight:
             self._idle.set()
+        for observer in self._observers:
+            try:
+                observer(transfer)
+            except Exception as exc:
+                self._log.error(
+                    "transfer.observer_failed", observer=repr(observer), error=repr(exc)
+                )
 
     def _enqueue(self, job: TransferJob, *, pageable: bool) -> None:
         assert self._engine is not None

@@ -1,0 +1,218 @@
+"""Prometheus metrics for one OffloadManager (the optional extra ``asyncpin[metrics]``).
+
+``import asyncpin`` never imports this module nor prometheus-client; importing it without
+prometheus-client installed raises an ImportError that says what to install.
+
+::
+
+    registry.register(OffloadCollector(mgr))   # before `async with mgr` to see every transfer
+
+Everything but the transfer counters is read from ``mgr.stats()`` at scrape time. The
+counters by direction and path, the transfer bytes and the latency histogram are kept by
+an observer the collector adds to the manager (``add_transfer_observer``): they count the
+transfers that finish after the collector was made.
+
+Gauges: ``asyncpin_region_bytes`` and ``asyncpin_pinned_bytes`` (size of the region,
+bytes pinned now), ``asyncpin_region_chunks``, ``asyncpin_pinned_chunks``,
+``asyncpin_leaked_chunks`` (left mapped because their unpin failed), ``asyncpin_pinned``
+(1 while every chunk is pinned), ``asyncpin_pin_failed`` (1 if pinning failed),
+``asyncpin_transfers_in_flight``; in seconds: ``asyncpin_enter_seconds``,
+``asyncpin_time_to_pinned_seconds``, ``asyncpin_slowest_pin_seconds`` (one pin call),
+``asyncpin_unpin_seconds`` and ``asyncpin_close_seconds`` (no sample until known).
+
+Counters: ``asyncpin_transfers_submitted_total{direction}`` (stores and loads accepted),
+``asyncpin_transfers_waited_for_pinning_total``, ``asyncpin_transfers_total{direction,
+path, outcome}`` (finished), ``asyncpin_transfer_bytes_total{direction, path}``.
+
+Histogram: ``asyncpin_transfer_seconds{direction, path}``, from submission to completion.
+Info: ``asyncpin_manager_info{backend, backing, hugepages}``.
+
+``direction`` is ``store`` or ``load``; ``path`` is ``pinned`` or ``pageable`` (a
+transfer that went through pageable memory because its chunks were not pinned yet);
+``outcome`` is ``ok`` or ``failed``. Bytes and latency count successful transfers only.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+try:
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+        InfoMetricFamily,
+    )
+    from prometheus_client.registry import Collector
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "asyncpin.metrics needs prometheus-client: pip install 'asyncpin[metrics]'"
+    ) from exc
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+    from asyncpin.manager import OffloadManager
+    from asyncpin.transfers import Transfer
+
+__all__ = ["DEFAULT_LATENCY_BUCKETS", "OffloadCollector"]
+
+# From a host copy of a few blocks (tens of µs) to a transfer that waited for its chunks
+# to be pinned (seconds).
+DEFAULT_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+
+
+class _Histogram:
+    """Bucket counts of one label set (not cumulative; summed at scrape)."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self, nbuckets: int) -> None:
+        self.counts = [0] * (nbuckets + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+
+class OffloadCollector(Collector):
+    """A Prometheus collector over ``mgr.stats()`` and the manager's finished transfers.
+
+    Register it on a ``CollectorRegistry``; it holds no other resource and needs no
+    closing. Scraping is safe from any thread (the transfer counts are kept under a
+    lock); ``stats()`` is a snapshot, so a scrape from another thread than the event
+    loop's may see one field a moment older than another.
+    """
+
+    def __init__(
+        self, manager: OffloadManager, *, buckets: Sequence[float] = DEFAULT_LATENCY_BUCKETS
+    ) -> None:
+        bounds = sorted(float(b) for b in buckets if b != math.inf)
+        if not bounds or len(set(bounds)) != len(bounds) or bounds[0] <= 0:
+            raise ValueError(f"buckets must be distinct positive numbers, got {buckets!r}")
+        self._manager = manager
+        self._bounds = tuple(bounds)
+        self._lock = threading.Lock()
+        self._transfers: dict[tuple[str, str, str], int] = {}
+        self._bytes: dict[tuple[str, str], int] = {}
+        self._latency: dict[tuple[str, str], _Histogram] = {}
+        manager.add_transfer_observer(self._observe)
+
+    def _observe(self, transfer: Transfer) -> None:
+        outcome = "ok" if transfer.error is None else "failed"
+        key = (transfer.direction, transfer.path)
+        with self._lock:
+            counted = (*key, outcome)
+            self._transfers[counted] = self._transfers.get(counted, 0) + 1
+            if transfer.error is not None or transfer.elapsed_s is None:
+                return
+            self._bytes[key] = self._bytes.get(key, 0) + transfer.nbytes
+            histogram = self._latency.get(key)
+            if histogram is None:
+                histogram = self._latency[key] = _Histogram(len(self._bounds))
+            histogram.counts[bisect.bisect_left(self._bounds, transfer.elapsed_s)] += 1
+            histogram.sum += transfer.elapsed_s
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._manager.stats()
+
+        def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(f"asyncpin_{name}", doc)
+            if value is not None:
+                family.add_metric([], value)
+            return family
+
+        info = InfoMetricFamily(
+            "asyncpin_manager", "How the manager was configured", labels=["backend", "backing"]
+        )
+        info.add_metric([s.backend, s.backing], {"hugepages": s.hugepages})
+        yield info
+        yield gauge("region_bytes", "Size of the host region in bytes", s.nbytes)
+        yield gauge("pinned_bytes", "Bytes of the region pinned now", s.pinned_bytes)
+        yield gauge("region_chunks", "Chunks of the region", s.chunks_total)
+        yield gauge("pinned_chunks", "Chunks pinned now", s.chunks_pinned)
+        yield gauge(
+            "leaked_chunks", "Chunks left mapped because their unpin failed", s.chunks_leaked
+        )
+        every_chunk = s.chunks_total > 0 and s.chunks_pinned == s.chunks_total
+        yield gauge("pinned", "1 while every chunk is pinned", float(every_chunk))
+        yield gauge("pin_failed", "1 if pinning failed", float(s.error is not None))
+        yield gauge("enter_seconds", "Seconds the manager took to enter", s.seconds_to_enter)
+        yield gauge(
+            "time_to_pinned_seconds",
+            "Seconds from entering to every chunk pinned",
+            s.seconds_to_pinned,
+        )
+        yield gauge(
+            "slowest_pin_seconds", "Seconds of the longest single pin call", s.slowest_pin_seconds
+        )
+        yield gauge("unpin_seconds", "Seconds the unpins at close took", s.unpin_seconds)
+        yield gauge("close_seconds", "Seconds aclose() took", s.close_seconds)
+
+        submitted = CounterMetricFamily(
+            "asyncpin_transfers_submitted", "Transfers accepted", labels=["direction"]
+        )
+        submitted.add_metric(["store"], s.transfers_stored)
+        submitted.add_metric(["load"], s.transfers_loaded)
+        yield submitted
+        waited = CounterMetricFamily(
+            "asyncpin_transfers_waited_for_pinning",
+            "Transfers that waited for their host chunks to be pinned",
+        )
+        waited.add_metric([], s.transfers_waited_for_pinning)
+        yield waited
+        yield gauge("transfers_in_flight", "Transfers not finished yet", s.transfers_in_flight)
+
+        transfers = CounterMetricFamily(
+            "asyncpin_transfers",
+            "Transfers finished, by direction, path and outcome",
+            labels=["direction", "path", "outcome"],
+        )
+        moved = CounterMetricFamily(
+            "asyncpin_transfer_bytes",
+            "Bytes moved by successful transfers",
+            labels=["direction", "path"],
+        )
+        latency = HistogramMetricFamily(
+            "asyncpin_transfer_seconds",
+            "Seconds from submission to completion of successful transfers",
+            labels=["direction", "path"],
+        )
+        with self._lock:
+            for labels, count in sorted(self._transfers.items()):
+                transfers.add_metric(list(labels), count)
+            for key, nbytes in sorted(self._bytes.items()):
+                moved.add_metric(list(key), nbytes)
+            for key, histogram in sorted(self._latency.items()):
+                cumulative, buckets = 0, []
+                for bound, count in zip((*self._bounds, math.inf), histogram.counts, strict=True):
+                    cumulative += count
+                    buckets.append(("+Inf" if bound == math.inf else repr(bound), cumulative))
+                latency.add_metric(list(key), buckets, histogram.sum)
+        yield transfers
+        yield moved
+        yield latency
+
+    def __repr__(self) -> str:
+        with self._lock:
+            finished = sum(self._transfers.values())
+        return f"<OffloadCollector {self._manager!r} transfers_seen={finished}>"

@@ -1,0 +1,1 @@
+"""Examples of embedding asyncpin; run them from the repository root."""
