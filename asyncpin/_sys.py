@@ -12,6 +12,7 @@ import errno
 import mmap
 import os
 import resource
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
@@ -19,7 +20,9 @@ __all__ = [
     "MADV_HUGEPAGE",
     "MADV_POPULATE_WRITE",
     "PAGE_SIZE",
+    "CgroupMemory",
     "LibcError",
+    "cgroup_memory",
     "has_cap_ipc_lock",
     "libc_madvise",
     "libc_memset",
@@ -28,6 +31,7 @@ __all__ = [
     "libc_munlock",
     "libc_munmap",
     "mem_available_bytes",
+    "meminfo",
     "memlock_limit_bytes",
     "vm_locked_bytes",
 ]
@@ -124,8 +128,22 @@ def memlock_limit_bytes() -> int | None:
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
-def _cgroup_headroom_bytes() -> int | None:
-    """Bytes left under this process's cgroup memory limit (v2 or v1), None if unlimited."""
+@dataclass(frozen=True, slots=True)
+class CgroupMemory:
+    """The memory limit of this process's cgroup and what the cgroup uses now, in bytes."""
+
+    version: int  # 1 or 2
+    path: str  # the directory the two figures were read from
+    limit_bytes: int
+    usage_bytes: int
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.limit_bytes - self.usage_bytes
+
+
+def cgroup_memory() -> CgroupMemory | None:
+    """This process's cgroup memory limit (v2 or v1), None if there is none."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
@@ -133,10 +151,10 @@ def _cgroup_headroom_bytes() -> int | None:
     for line in lines:
         _id, controllers, rel = line.split(":", 2)
         if controllers == "":
-            base = Path("/sys/fs/cgroup") / rel.lstrip("/")
+            version, base = 2, Path("/sys/fs/cgroup") / rel.lstrip("/")
             files = ("memory.max", "memory.current")
         elif "memory" in controllers.split(","):
-            base = Path("/sys/fs/cgroup/memory") / rel.lstrip("/")
+            version, base = 1, Path("/sys/fs/cgroup/memory") / rel.lstrip("/")
             files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
         else:
             continue
@@ -148,16 +166,30 @@ def _cgroup_headroom_bytes() -> int | None:
         # v1 spells "no limit" as a huge page-rounded number, v2 as "max".
         if limit == "max" or int(limit) >= 1 << 62:
             continue
-        return int(limit) - usage
+        return CgroupMemory(version, str(base), int(limit), usage)
     return None
+
+
+def _cgroup_headroom_bytes() -> int | None:
+    """Bytes left under this process's cgroup memory limit (v2 or v1), None if unlimited."""
+    cgroup = cgroup_memory()
+    return None if cgroup is None else cgroup.headroom_bytes
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo as numbers: sizes in bytes (the kB fields times 1024), counts as is."""
+    fields: dict[str, int] = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            scale = 1024 if parts[1:] == ["kB"] else 1
+            fields[key] = int(parts[0]) * scale
+    return fields
 
 
 def mem_available_bytes() -> int:
     """MemAvailable from /proc/meminfo, lowered to the cgroup's headroom if smaller."""
-    available = 0
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            available = int(line.split()[1]) * 1024
-            break
+    available = meminfo().get("MemAvailable", 0)
     headroom = _cgroup_headroom_bytes()
     return available if headroom is None else min(available, headroom)

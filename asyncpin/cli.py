@@ -1,5 +1,7 @@
 """Command line: ``python -m asyncpin demo`` maps a buffer, pins it in the background while
 showing progress, reports how long entry and pinning took, and closes.
+``python -m asyncpin doctor`` runs the pre-flight checks (asyncpin.doctor): exit 1 if one
+fails, else 0.
 
 This module is an application of the library, so it is the one place that configures
 structlog (warnings and above to stderr; ``--verbose`` for info). Exit codes: 0 on
@@ -203,7 +205,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print the final stats as JSON instead of a table"
     )
     demo.add_argument("--verbose", "-v", action="store_true", help="log at info level")
+    doctor = commands.add_parser(
+        "doctor",
+        help="check this machine for what asyncpin needs, and say what to change",
+        description=(
+            "Pre-flight checks: memory and cgroup limit, RLIMIT_MEMLOCK and CAP_IPC_LOCK, "
+            "huge pages, /dev/shm, CUDA driver/runtime/GPUs, batched copies. Exits 1 if a "
+            "check fails."
+        ),
+    )
+    doctor.add_argument(
+        "--size",
+        type=_size_arg,
+        default=None,
+        help="buffer size to check for (default: the demo's, min(4 GiB, MemAvailable/4))",
+    )
+    doctor.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
+    doctor.add_argument("--backing", choices=("anonymous", "shared"), default="anonymous")
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     return parser
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    from asyncpin import doctor
+
+    checks = doctor.run_checks(args.size, backend=args.backend, backing=args.backing)
+    print(doctor.render(checks, as_json=args.json))
+    return _EXIT_ERROR if doctor.worst(checks) == "fail" else 0
 
 
 # -- logging ------------------------------------------------------------------------------
@@ -495,6 +523,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return _EXIT_USAGE
+    if args.command == "doctor":
+        return _run_doctor(args)
     if args.name is not None and args.backing != "shared":
         print(f"{PROG} demo: error: --name needs --backing shared (see --help)", file=sys.stderr)
         return _EXIT_USAGE

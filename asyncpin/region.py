@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import re
@@ -22,7 +23,15 @@ import torch
 from asyncpin import _sys
 from asyncpin.errors import ConfigError, PreflightError, RegionNotFoundError
 
-__all__ = ["Backing", "Chunk", "HostRegion", "HugePages", "round_to_pages"]
+__all__ = [
+    "Backing",
+    "Chunk",
+    "HostRegion",
+    "HugePages",
+    "is_stale",
+    "round_to_pages",
+    "unlink_stale",
+]
 
 Backing = Literal["anonymous", "shared"]
 HugePages = Literal["thp", "hugetlb", "none"]
@@ -139,6 +148,10 @@ class HostRegion:
                     "attach to it, or pick another name"
                 ) from None
             try:
+                # Held until this process closes the file or dies: how is_stale() tells a
+                # live creator from a killed one. Taken before the file has a size, so a
+                # file without a size is never mistaken for a stale one.
+                fcntl.flock(fd, fcntl.LOCK_SH)
                 os.ftruncate(fd, nbytes)
                 address = _sys.libc_mmap(
                     nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd
@@ -248,10 +261,14 @@ class HostRegion:
         return torch.frombuffer(array, dtype=torch.uint8)
 
     def prefault(self, offset: int, nbytes: int) -> None:
-        """Fault in ``[offset, offset+nbytes)`` for writing, with the GIL released.
+        """Fault in ``[offset, offset+nbytes)`` for writing, with the GIL released, without
+        changing a byte.
 
-        Uses MADV_POPULATE_WRITE (an error, not SIGBUS, if memory runs out); on kernels
-        without it, touches the pages with memset (only safe on fresh memory: it zeroes).
+        Uses MADV_POPULATE_WRITE (an error, not SIGBUS, if memory runs out). Kernels
+        before 5.14 lack it (EINVAL): then this does nothing and the pin call (mlock,
+        cudaHostRegister) faults the pages in itself. Touching them with writes is no
+        substitute: the chunk may already hold data (an attached region, or a pageable
+        store that reached the chunk first), and a memset erased it.
         """
         self._check_open()
         try:
@@ -259,7 +276,6 @@ class HostRegion:
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-            _sys.libc_memset(self._address + offset, 0, nbytes)
 
     def hugepage_bytes(self) -> int:
         """Bytes of this mapping backed by transparent huge pages (from /proc/self/smaps)."""
@@ -332,6 +348,60 @@ def check_shm_space(nbytes: int) -> None:
             f"free space in {SHM_DIR} or enlarge it (mount -o remount,size=... {SHM_DIR}; "
             "in docker: --shm-size)",
         )
+
+
+def is_stale(name: str) -> bool:
+    """Whether the shared region ``name`` outlived its creator: the creator died (killed,
+    say) without unlinking it. Raises RegionNotFoundError if there is no such file.
+
+    A creator holds a shared ``flock`` on its file for as long as it has the region open
+    (a child it forked without exec, which inherits the descriptor, holds it too); the
+    kernel drops it when the process dies. Attachers take no lock, so a region that
+    attachers still map is stale all the same once its creator is gone: only its name is
+    left to clean up (:func:`unlink_stale`). A file being created (no size yet) is not.
+    """
+    path = _shm_path(name)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise RegionNotFoundError(name, str(path)) from None
+    try:
+        return _locked_if_stale(fd)
+    finally:
+        os.close(fd)
+
+
+def unlink_stale(name: str) -> bool:
+    """Unlink the shared region ``name`` if it is stale (see :func:`is_stale`); returns
+    whether it did. Processes that still map it keep their mappings; the memory goes back
+    when the last one unmaps it. A region of a live creator is left alone."""
+    path = _shm_path(name)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        if not _locked_if_stale(fd):
+            return False
+        # Unlink the file we found stale, not one created under the same name since.
+        mine, now = os.fstat(fd), os.stat(path)
+        if (mine.st_dev, mine.st_ino) != (now.st_dev, now.st_ino):
+            return False
+        path.unlink()
+        return True
+    finally:
+        os.close(fd)
+
+
+def _locked_if_stale(fd: int) -> bool:
+    """Take an exclusive lock on ``fd`` if no creator holds its shared one (stale)."""
+    if os.fstat(fd).st_size == 0:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _shm_path(name: str | None) -> Path:
