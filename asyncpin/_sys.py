@@ -25,7 +25,6 @@ __all__ = [
     "cgroup_memory",
     "has_cap_ipc_lock",
     "libc_madvise",
-    "libc_memset",
     "libc_mlock",
     "libc_mmap",
     "libc_munlock",
@@ -96,11 +95,6 @@ def libc_mlock(address: int, nbytes: int) -> None:
 
 def libc_munlock(address: int, nbytes: int) -> None:
     _check("munlock", _libc.munlock(address, nbytes))
-
-
-def libc_memset(address: int, value: int, nbytes: int) -> None:
-    """Touch every byte (releases the GIL: ctypes.memset is a CFUNCTYPE call)."""
-    ctypes.memset(address, value, nbytes)
 
 
 def _status_field(field: str) -> str | None:
