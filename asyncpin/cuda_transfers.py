@@ -36,7 +36,7 @@ import torch
 from asyncpin.cuda import _cudart
 from asyncpin.errors import BackendUnavailableError, TransferError
 from asyncpin.kv import KVLayout
-from asyncpin.transfers import Direction, TransferJob
+from asyncpin.transfers import Direction, TransferJob, settle_interrupted
 
 __all__ = ["CudaTransferEngine", "batch_copy_available"]
 
@@ -241,22 +241,33 @@ class CudaTransferEngine:
     async def _submit_in_thread(self, job: TransferJob) -> None:
         try:
             await anyio.to_thread.run_sync(self._enqueue, job, "batch")
-        except Exception as exc:
-            job.transfer._finish(exc)
+        except Exception as exc:  # nothing was enqueued (see _enqueue)
+            error = TransferError(f"{job.transfer.direction} could not be enqueued: {exc}")
+            error.__cause__ = exc
+            job.transfer._finish(error)
+        except BaseException as exc:
+            settle_interrupted(job.transfer, exc)
+            raise
 
     def _enqueue(self, job: TransferJob, method: str) -> None:
+        """Queue the copy and its completion event. Once the stream has work of this job,
+        a failure no longer raises: it is reported through the handle only after the
+        stream has drained, so no buffer is released while a copy may still touch it."""
         direction = job.transfer.direction
         stream = self._streams[direction]
-        torch.cuda.set_device(self._device)
-        with torch.cuda.stream(stream):
-            if job.ready is not None:
-                stream.wait_event(job.ready)
-            if method == "batch":
-                self._batch(job, stream)
-            elif method == "kernel":
-                self._kernel_copy(job, self._host_base, job.cpu_ids, KERNEL_CTAS[direction])
-            else:
-                self._pack(job, stream)
+        with torch.cuda.device(self._device), torch.cuda.stream(stream):
+            failure: BaseException | None = None
+            try:
+                if job.ready is not None:
+                    stream.wait_event(job.ready)
+                if method == "batch":
+                    self._batch(job, stream)
+                elif method == "kernel":
+                    self._kernel_copy(job, self._host_base, job.cpu_ids, KERNEL_CTAS[direction])
+                else:
+                    self._pack(job, stream)
+            except Exception as exc:
+                failure = exc
             done = torch.cuda.Event(blocking=True)
             done.record(stream)
         job.transfer.event = done
@@ -264,7 +275,7 @@ class CudaTransferEngine:
         # device error surfaces there as an exception. (cudaLaunchHostFunc was measured as
         # an alternative: no faster at p50, worse at p99, and it never runs after a
         # context error, which would leave the transfer pending forever.)
-        self._waiters[direction].submit(done, lambda error: self._report(job, error))
+        self._waiters[direction].submit(done, lambda error: self._report(job, error or failure))
 
     def _report(self, job: TransferJob, error: BaseException | None) -> None:
         if error is not None and not isinstance(error, TransferError):

@@ -40,6 +40,7 @@ from asyncpin.transfers import (
     TransferJob,
     block_ids,
     host_blocks_view,
+    settle_interrupted,
 )
 
 __all__ = [
@@ -408,7 +409,9 @@ class OffloadManager:
                 await self._idle.wait()  # in-flight transfers' device work
                 if self._engine is not None:
                     self._engine.close()
-                leaked = await anyio.to_thread.run_sync(scheduler.unpin_all)
+                # Its own thread slot: the application's default pool may be full.
+                limiter = anyio.CapacityLimiter(1)
+                leaked = await anyio.to_thread.run_sync(scheduler.unpin_all, limiter=limiter)
                 for chunk, exc in leaked:
                     self._log.error(
                         "unpin.failed",
@@ -421,7 +424,7 @@ class OffloadManager:
                 self._leaked = len(leaked)
                 # munmap of many GiB takes tens of ms: off the event loop too.
                 keep = [chunk for chunk, _ in leaked]
-                await anyio.to_thread.run_sync(lambda: region.release(keep=keep))
+                await anyio.to_thread.run_sync(lambda: region.release(keep=keep), limiter=limiter)
             finally:
                 self._pinned.resolve(
                     anyio.ClosedResourceError("the manager closed before pinning completed")
@@ -610,8 +613,9 @@ class OffloadManager:
             )
         transfer = Transfer(direction, int(gpu.numel()), int(gpu.numel()) * layout.host_block_bytes)
         job = TransferJob(transfer, gpu, cpu, method)
-        if direction == "store":
-            job.ready = engine.record_ready()
+        # A store must not copy blocks before the compute stream has produced them, and a
+        # load must not overwrite blocks the compute stream is still reading.
+        job.ready = engine.record_ready()
         self._track(transfer)
         needed = self._unpinned_chunks(cpu) if not scheduler.all_pinned() else []
         if not needed:
@@ -698,7 +702,7 @@ class OffloadManager:
         except TransferError:
             return  # reported through the handle
         except BaseException as exc:
-            job.transfer._finish(exc)
+            settle_interrupted(job.transfer, exc)
             raise
 
     def __repr__(self) -> str:

@@ -37,6 +37,7 @@ __all__ = [
     "TransferJob",
     "block_ids",
     "host_blocks_view",
+    "settle_interrupted",
 ]
 
 Direction = Literal["store", "load"]
@@ -47,9 +48,11 @@ class Transfer(Outcome):
     """Handle of one store or load: awaitable, with ``done()``, ``nbytes``, ``elapsed_s``.
 
     ``await transfer`` (or ``await transfer.wait()``) returns when the device work is
-    complete and raises the TransferError if it failed. For a load on CUDA, ``event`` is a
-    ``torch.cuda.Event`` recorded after the copy: ``torch.cuda.current_stream()
-    .wait_event(transfer.event)`` orders later compute after it without blocking.
+    complete and raises the TransferError if it failed (``ClosedResourceError`` if the
+    manager closed under it). For a load on CUDA, ``event`` is a ``torch.cuda.Event``
+    recorded after the copy: ``torch.cuda.current_stream().wait_event(transfer.event)``
+    orders later compute after it without blocking. It is None until the copy is queued
+    (immediately when the host blocks are pinned; later for a transfer that waits).
     """
 
     __slots__ = (
@@ -124,6 +127,14 @@ class TransferEngine(Protocol):
     def record_ready(self) -> Any: ...
 
     def close(self) -> None: ...
+
+
+def settle_interrupted(transfer: Transfer, exc: BaseException) -> None:
+    """Settle a transfer whose driving task was cancelled (the manager is closing) without
+    handing the cancellation itself to whoever awaits the transfer."""
+    error = anyio.ClosedResourceError("the transfer was interrupted: the manager is closing")
+    error.__cause__ = exc
+    transfer._finish(error)
 
 
 def host_blocks_view(
@@ -201,7 +212,7 @@ class HostTransferEngine:
             error.__cause__ = exc
             job.transfer._finish(error)
         except BaseException as exc:
-            job.transfer._finish(exc)
+            settle_interrupted(job.transfer, exc)
             raise
         else:
             job.transfer._finish()

@@ -1217,3 +1217,27 @@ class TestCopyFailure:
                     await mgr.store([0], [0])
                 assert isinstance(info.value.__cause__, RuntimeError)
                 assert mgr.stats().transfers_failed == 1
+
+
+class TestCancelledManager:
+    """Cancelling the task that owns the manager never hands the cancellation to a transfer."""
+
+    async def test_waiting_transfer_is_settled_with_a_closed_error(self) -> None:
+        fake = FakeBackend(stall_pin_at=0)
+        layout = KVLayout.from_tensors([torch.randint(1, 255, (8, 4096), dtype=torch.uint8)])
+        transfer = None
+        with anyio.fail_after(TIMEOUT_S):
+            with anyio.CancelScope() as scope:
+                async with OffloadManager.for_kv(
+                    layout, 8, backend=fake, chunk_bytes=4096, prefault_threads=1
+                ) as mgr:
+                    transfer = mgr.store([0], [5])  # chunk 5 waits: the first pin is stalled
+                    await anyio.to_thread.run_sync(fake.stalled.wait)
+                    assert not transfer.done()
+                    scope.cancel()
+                    fake.release()
+                    await anyio.sleep_forever()
+            assert transfer is not None and transfer.done()
+            assert isinstance(transfer.error, anyio.ClosedResourceError | TransferError)
+            with pytest.raises((anyio.ClosedResourceError, TransferError)):
+                await transfer
