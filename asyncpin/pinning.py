@@ -90,7 +90,6 @@ class PinScheduler:
         self.done = anyio.Event()
         # Called on the event loop after each pin call and when the pipeline ends.
         self.on_progress: Callable[[], None] | None = None
-        self.started_at: float | None = None
         self.finished_at: float | None = None
 
     # -- control ----------------------------------------------------------------------
@@ -122,7 +121,6 @@ class PinScheduler:
     # -- pipeline ---------------------------------------------------------------------
 
     async def run(self) -> None:
-        self.started_at = time.perf_counter()
         try:
             send, receive = anyio.create_memory_object_stream[Chunk](math.inf)
             prefault_limiter = anyio.CapacityLimiter(self._prefault_threads)

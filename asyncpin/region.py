@@ -416,11 +416,8 @@ def _shm_path(name: str | None) -> Path:
 
 def hugetlb_free_bytes() -> int:
     """Free pages of the default hugetlb pool, in bytes (/proc/meminfo)."""
-    fields = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        fields[key] = rest.split()
-    return int(fields["HugePages_Free"][0]) * int(fields["Hugepagesize"][0]) * 1024
+    fields = _sys.meminfo()
+    return fields.get("HugePages_Free", 0) * fields.get("Hugepagesize", 0)
 
 
 def _map_hugetlb(nbytes: int) -> int:
