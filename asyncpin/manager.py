@@ -152,6 +152,11 @@ class OffloadManager:
             raise ConfigError(
                 f"unknown hugepages policy {hugepages!r}: use 'thp', 'hugetlb' or 'none'"
             )
+        if hugepages == "hugetlb" and isinstance(chunk_bytes, int) and chunk_bytes % (2 << 20):
+            raise ConfigError(
+                f"chunk_bytes={chunk_bytes} must be a multiple of 2 MiB with hugepages='hugetlb' "
+                "(huge pages cannot be split between chunks)"
+            )
         if (
             isinstance(chunk_bytes, bool)
             or not isinstance(chunk_bytes, int)
@@ -274,7 +279,9 @@ class OffloadManager:
         self._t_enter = t0
         if self._attach:
             assert self._name is not None
-            region = HostRegion.attach(self._name, hugepages=self._hugepages)
+            region = HostRegion.attach(
+                self._name, hugepages=self._hugepages, preflight=self._backend.preflight
+            )
         else:
             self._preflight()
             region = HostRegion.create(
@@ -345,7 +352,9 @@ class OffloadManager:
 
     def _preflight(self) -> None:
         available = _sys.mem_available_bytes()
-        if self._nbytes > available:
+        # A hugetlb region comes from the reserved pool, which MemAvailable leaves out;
+        # the pool itself is checked when the region is mapped.
+        if self._hugepages != "hugetlb" and self._nbytes > available:
             raise PreflightError(
                 "memory",
                 self._nbytes,
@@ -444,8 +453,8 @@ class OffloadManager:
         return self._pinned
 
     def is_pinned(self) -> bool:
-        """Non-blocking readiness probe: True once every chunk is pinned."""
-        return self._pinned.succeeded()
+        """Non-blocking readiness probe: True while open with every chunk pinned."""
+        return self._state is ManagerState.OPEN and self._pinned.succeeded()
 
     @property
     def pin_error(self) -> PinError | None:

@@ -14,6 +14,7 @@ import mmap
 import os
 import re
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -176,8 +177,16 @@ class HostRegion:
         return region
 
     @classmethod
-    def attach(cls, name: str, *, hugepages: HugePages = "thp") -> HostRegion:
-        """Map an existing shared region by name. An attacher never unlinks it."""
+    def attach(
+        cls,
+        name: str,
+        *,
+        hugepages: HugePages = "thp",
+        preflight: Callable[[int], None] | None = None,
+    ) -> HostRegion:
+        """Map an existing shared region by name. An attacher never unlinks it.
+
+        ``preflight(nbytes)`` runs once the size is known, before anything is mapped."""
         path = _shm_path(name)
         try:
             fd = os.open(path, os.O_RDWR)
@@ -194,6 +203,8 @@ class HostRegion:
             nbytes = info.st_size
             if nbytes <= 0 or nbytes % _sys.PAGE_SIZE:
                 raise ConfigError(f"{path} has size {nbytes}, not a region made by asyncpin")
+            if preflight is not None:
+                preflight(nbytes)
             address = _sys.libc_mmap(nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd)
         except BaseException:
             os.close(fd)

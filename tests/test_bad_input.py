@@ -23,6 +23,7 @@ from asyncpin import (
     _sys,
 )
 from asyncpin.region import SHM_DIR, HostRegion, hugetlb_free_bytes
+from asyncpin.testing import FakeBackend
 
 PAGE = _sys.PAGE_SIZE
 MIB = 1 << 20
@@ -303,3 +304,27 @@ class TestAttachToForeignFile:
             assert path.exists()
         finally:
             path.unlink()
+
+
+class TestReviewedEdges:
+    """Pre-flight and probes at the edges: hugetlb chunks, attach pre-flight, probe after close."""
+
+    async def test_hugetlb_chunks_must_hold_whole_huge_pages(self) -> None:
+        with refused(ConfigError, "multiple of 2 MiB", "hugetlb"):
+            await open_manager(4 * MIB, backend="host", hugepages="hugetlb", chunk_bytes=PAGE)
+
+    async def test_attach_runs_the_backend_preflight_before_mapping(self, shm_name: str) -> None:
+        class Refusing(FakeBackend):
+            def preflight(self, nbytes: int) -> None:
+                raise PreflightError("memlock", nbytes, 0, "raise RLIMIT_MEMLOCK")
+
+        async with OffloadManager(MIB, backend=FakeBackend(), backing="shared", name=shm_name):
+            with refused(PreflightError, "memlock", str(MIB)):
+                async with OffloadManager.attached(shm_name, backend=Refusing()):
+                    pass
+
+    async def test_is_pinned_is_false_after_close(self) -> None:
+        async with OffloadManager(MIB, backend=FakeBackend(), chunk_bytes=256 << 10) as mgr:
+            await mgr.pinned
+            assert mgr.is_pinned()
+        assert not mgr.is_pinned()
