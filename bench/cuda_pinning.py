@@ -29,18 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncpin import OffloadManager
+from asyncpin.cli import parse_size
 from asyncpin.cuda import _cudart
 
 MiB, GiB = 1 << 20, 1 << 30
-
-
-def parse_size(text: str) -> int:
-    units = {"gib": GiB, "mib": MiB, "kib": 1 << 10, "b": 1}
-    low = text.lower()
-    for unit, mult in units.items():
-        if low.endswith(unit):
-            return int(float(low[: -len(unit)]) * mult)
-    return int(low)
 
 
 class GpuLoop:
