@@ -32,6 +32,9 @@ for step in $steps; do
     profile)
       timeout 120 python3 bench/submit_profile.py 2>&1 | tee "$OUT/profile.log" \
         | grep -E "submit p50|tottime|^ +[0-9]+ +[0-9.]+ +[0-9.]+" | head -40 ;;
+    costs)
+      timeout 300 python3 bench/submit_costs.py --json-out "$OUT/submit_costs.json" 2>&1 \
+        | tee "$OUT/costs.log" | tail -60 ;;
     pinq)
       timeout 300 python3 bench/cuda_pinning.py --size 16GiB --configs 1 --repeats 3 \
         --json-out "$OUT/cuda_pinning_q.json" 2>&1 | tee "$OUT/pinq.log" | tail -14 ;;

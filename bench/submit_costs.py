@@ -1,0 +1,339 @@
+"""Where a small transfer's time goes on CUDA: per-call costs of the host-side operations a
+submission can use, and the completion paths of a single 32 KiB copy, one by one.
+
+    python3 bench/submit_costs.py --json-out costs.json
+
+Each figure is the median (and p99) of many repetitions, in microseconds, wall clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import asyncio
+import ctypes
+import json
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncpin.cuda_transfers import _Runtime
+
+REPS = 2000
+
+
+def cost(
+    fn: Callable[[], Any], reps: int = REPS, between: Callable[[], Any] | None = None
+) -> dict[str, float]:
+    samples = []
+    for _ in range(reps):
+        if between is not None:
+            between()
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    samples.sort()
+    return {
+        "p50_us": samples[len(samples) // 2] * 1e6,
+        "p99_us": samples[int(len(samples) * 0.99)] * 1e6,
+    }
+
+
+def host_costs() -> dict[str, Any]:
+    rt = _Runtime()
+    lib = rt.lib
+    dev = torch.device("cuda", 0)
+    stream = torch.cuda.Stream(dev)
+    s = stream.cuda_stream
+    src = torch.randn(64, 16384, device=dev)  # 64 segments of 64 KiB
+    host = torch.empty(64, 16384).pin_memory()
+    out: dict[str, Any] = {}
+    out["current_stream(dev)"] = cost(lambda: torch.cuda.current_stream(dev))
+    out["current_stream()"] = cost(lambda: torch.cuda.current_stream())
+    out["_cuda_getCurrentRawStream"] = cost(lambda: torch._C._cuda_getCurrentRawStream(0))
+    out["Event(blocking)+record"] = cost(lambda: torch.cuda.Event(blocking=True).record(stream))
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    out["Event.record(stream)"] = cost(lambda: ev.record(stream))
+    out["stream.wait_event"] = cost(lambda: stream.wait_event(ev))
+    raw = ctypes.c_void_p()
+    lib.cudaEventCreateWithFlags(ctypes.byref(raw), ctypes.c_uint(2 | 1))  # no timing, blocking
+    lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+    out["ctypes cudaEventRecord"] = cost(lambda: lib.cudaEventRecord(raw, s))
+    out["ctypes cudaStreamWaitEvent"] = cost(lambda: lib.cudaStreamWaitEvent(s, raw, 0))
+    out["ctypes cudaEventCreate+Destroy"] = cost(
+        lambda: lib.cudaEventCreateWithFlags(ctypes.byref(ctypes.c_void_p()), 3)
+    )
+    out["device+stream context"] = cost(lambda: torch.cuda.device(dev).__enter__())
+
+    def ctx() -> None:
+        with torch.cuda.device(dev), torch.cuda.stream(stream):
+            pass
+
+    out["with device, stream"] = cost(ctx)
+    ids64 = list(range(64))
+    out["torch.tensor([1])"] = cost(lambda: torch.tensor([5], dtype=torch.int64))
+    out["torch.tensor(64 ids)"] = cost(lambda: torch.tensor(ids64, dtype=torch.int64))
+    t = torch.tensor(ids64)
+    out["tensor.unique"] = cost(lambda: torch.unique(t))
+    out["tensor.min"] = cost(lambda: int(t.min()))
+    out["array('Q', 64)"] = cost(lambda: array.array("Q", ids64))
+    out["python addresses 1 block x 64 arrays"] = cost(
+        lambda: [p + 3 * st for p, st in zip(ids64, ids64, strict=True)]
+    )
+    out["pin_memory(2 ids)"] = cost(lambda: torch.tensor([[1], [2]]).pin_memory())
+    pinned = torch.tensor([[1], [2]]).pin_memory()
+    out["pinned ids .to(dev, non_blocking)"] = cost(lambda: pinned.to(dev, non_blocking=True))
+    seg = src.stride(0) * 4
+    for n in (1, 64):
+        dsts = array.array("Q", [host.data_ptr() + i * seg for i in range(n)])
+        srcs = array.array("Q", [src.data_ptr() + i * seg for i in range(n)])
+        sizes = array.array("Q", [seg] * n)
+        d, sr, sz = (ctypes.c_void_p(a.buffer_info()[0]) for a in (dsts, srcs, sizes))
+        assert rt.batch is not None
+
+        def batch(d: Any = d, sr: Any = sr, sz: Any = sz, n: int = n) -> None:
+            rt.batch(
+                d,
+                sr,
+                sz,
+                ctypes.c_size_t(n),
+                ctypes.byref(rt.attrs),
+                rt.attr_index,
+                ctypes.c_size_t(1),
+                ctypes.c_void_p(s),
+            )
+
+        out[f"cudaMemcpyBatchAsync {n} seg"] = cost(batch, 500, between=stream.synchronize)
+    out["ctypes cudaMemcpyAsync 1 seg"] = cost(
+        lambda: lib.cudaMemcpyAsync(host.data_ptr(), src.data_ptr(), seg, 4, s),
+        500,
+        between=stream.synchronize,
+    )
+    out["torch copy_ 1 seg non_blocking"] = cost(
+        lambda: host[0].copy_(src[0], non_blocking=True), 500, between=stream.synchronize
+    )
+    try:
+        from asyncpin._kernels import kv_copy
+
+        ptrs = torch.tensor([src.data_ptr()], device=dev)
+        strides = torch.tensor([seg], device=dev)
+        gids = torch.zeros(1, dtype=torch.int64, device=dev)
+
+        def launch() -> None:
+            kv_copy[(1,)](
+                gids, gids, ptrs, strides, host.data_ptr(), 1, 1, seg // 8, TO_HOST=True, BLOCK=512
+            )
+
+        launch()
+        torch.cuda.synchronize()
+        out["triton kv_copy launch"] = cost(launch, 500, between=stream.synchronize)
+    except ImportError:
+        pass
+    torch.cuda.synchronize()
+    return out
+
+
+def completion_costs(samples: int) -> dict[str, Any]:
+    """One 32 KiB D2H copy, submitted then awaited different ways; t0 is just before the
+    copy is enqueued."""
+    dev = torch.device("cuda", 0)
+    stream = torch.cuda.Stream(dev)
+    src = torch.randn(8192, device=dev)
+    host = torch.empty(8192).pin_memory()
+    out: dict[str, Any] = {}
+
+    def pct(xs: list[float]) -> dict[str, float]:
+        xs = sorted(xs)
+        return {"p50_us": xs[len(xs) // 2] * 1e6, "p99_us": xs[int(len(xs) * 0.99)] * 1e6}
+
+    def enqueue(blocking: bool) -> Any:
+        with torch.cuda.stream(stream):
+            host.copy_(src, non_blocking=True)
+        ev = torch.cuda.Event(blocking=blocking)
+        ev.record(stream)
+        return ev
+
+    lat = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        enqueue(False)
+        stream.synchronize()
+        lat.append(time.perf_counter() - t0)
+    out["stream.synchronize (spins)"] = pct(lat)
+
+    for blocking in (True, False):
+        lat = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            enqueue(blocking).synchronize()
+            lat.append(time.perf_counter() - t0)
+        out[f"event.synchronize same thread blocking={blocking}"] = pct(lat)
+
+    async def via_thread(blocking: bool) -> tuple[list[float], list[float]]:
+        """A persistent waiter thread fed through a queue, as the engine does."""
+        import queue
+
+        loop = asyncio.get_running_loop()
+        jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        wake: list[float] = []
+
+        def waiter() -> None:
+            while (item := jobs.get()) is not None:
+                ev, fut, t0 = item
+                ev.synchronize()
+                wake.append(time.perf_counter() - t0)
+                loop.call_soon_threadsafe(fut.set_result, None)
+
+        th = threading.Thread(target=waiter)
+        th.start()
+        resume = []
+        for _ in range(samples):
+            fut = loop.create_future()
+            t0 = time.perf_counter()
+            jobs.put((enqueue(blocking), fut, t0))
+            await fut
+            resume.append(time.perf_counter() - t0)
+        jobs.put(None)
+        th.join()
+        return wake, resume
+
+    async def to_thread_peer() -> list[float]:
+        lat = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            ev = enqueue(False)
+            await asyncio.to_thread(ev.synchronize)
+            lat.append(time.perf_counter() - t0)
+        return lat
+
+    for blocking in (True, False):
+        wake, resume = asyncio.run(via_thread(blocking))
+        out[f"waiter thread wakes blocking={blocking}"] = pct(wake)
+        out[f"loop resumes blocking={blocking}"] = pct(resume)
+    out["peer await to_thread(event.synchronize)"] = pct(asyncio.run(to_thread_peer()))
+    return out
+
+
+async def both_directions(repeats: int) -> dict[str, Any]:
+    """1 GiB each way at once: contiguous torch pinned buffers, then the manager's region
+    (2 MiB blocks, batch and pack) at two registration sizes."""
+    from asyncpin import KVLayout, OffloadManager
+
+    GB = 1e9
+    dev = torch.device("cuda", 0)
+    out: dict[str, Any] = {}
+    n = 1 << 30
+    d_src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev)
+    d_dst = torch.empty(n, dtype=torch.uint8, device=dev)
+    h_dst = torch.empty(n, dtype=torch.uint8).pin_memory()
+    h_src = torch.randint(0, 255, (n,), dtype=torch.uint8).pin_memory()
+    s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+
+    def run_both() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(s1):
+            h_dst.copy_(d_src, non_blocking=True)
+        with torch.cuda.stream(s2):
+            d_dst.copy_(h_src, non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def run_one(dst: torch.Tensor, src: torch.Tensor) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    run_both()
+    out["contiguous torch pinned both GB/s"] = (
+        2 * n / statistics.median([run_both() for _ in range(repeats)]) / GB
+    )
+    out["contiguous torch pinned D2H GB/s"] = (
+        n / statistics.median([run_one(h_dst, d_src) for _ in range(repeats)]) / GB
+    )
+    out["contiguous torch pinned H2D GB/s"] = (
+        n / statistics.median([run_one(d_dst, h_src) for _ in range(repeats)]) / GB
+    )
+    half, other = list(range(512)), list(range(512, 1024))
+    for block_kib, arrays in ((2048, 1), (32, 64)):
+        per = block_kib << 10
+        tensors = [
+            torch.randn(1024 * per // 4, device=dev).view(1024, per // 4) for _ in range(arrays)
+        ]
+        layout = KVLayout.from_tensors(tensors)
+        for chunk in (16 << 20, 256 << 20):
+            async with OffloadManager.for_kv(
+                layout, 1024, backend="cuda", chunk_bytes=chunk
+            ) as mgr:
+                await mgr.pinned
+                for method in ("batch", "pack"):
+
+                    async def both(method: Any = method) -> float:
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        s = mgr.store(half, half, method=method)
+                        ld = mgr.load(other, other, method=method)
+                        await s
+                        await ld
+                        return time.perf_counter() - t0
+
+                    async def one(direction: str, method: Any = method) -> float:
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        if direction == "store":
+                            await mgr.store(half, half, method=method)
+                        else:
+                            await mgr.load(other, other, method=method)
+                        return time.perf_counter() - t0
+
+                    nbytes = 512 * layout.host_block_bytes
+                    await both()
+                    key = f"{arrays}x{block_kib}KiB chunk {chunk >> 20}MiB {method}"
+                    out[f"{key} both GB/s"] = (
+                        2 * nbytes / statistics.median([await both() for _ in range(repeats)]) / GB
+                    )
+                    for d in ("store", "load"):
+                        out[f"{key} {d} GB/s"] = (
+                            nbytes / statistics.median([await one(d) for _ in range(repeats)]) / GB
+                        )
+        del tensors, layout
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json-out", default=None)
+    parser.add_argument("--samples", type=int, default=500)
+    args = parser.parse_args()
+    import anyio
+
+    report: dict[str, Any] = {
+        "host_costs": host_costs(),
+        "completion": completion_costs(args.samples),
+    }
+    report["both"] = anyio.run(both_directions, 5)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    for part, rows in report.items():
+        print(f"\n{part}: p50 / p99 us")
+        for name, r in rows.items():
+            if isinstance(r, dict):
+                print(f"  {name:48} {r['p50_us']:8.1f} {r['p99_us']:8.1f}")
+            else:
+                print(f"  {name:48} {r:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
