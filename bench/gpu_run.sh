@@ -33,7 +33,7 @@ for step in $steps; do
       timeout 120 python3 bench/submit_profile.py 2>&1 | tee "$OUT/profile.log" \
         | grep -E "submit p50|tottime|^ +[0-9]+ +[0-9.]+ +[0-9.]+" | head -40 ;;
     costs)
-      timeout 300 python3 bench/submit_costs.py --json-out "$OUT/submit_costs.json" 2>&1 \
+      timeout 300 python3 bench/submit_costs.py --only "${ONLY:-costs,streams,both}" --json-out "$OUT/submit_costs.json" 2>&1 \
         | tee "$OUT/costs.log" | tail -60 ;;
     pinq)
       timeout 300 python3 bench/cuda_pinning.py --size 16GiB --configs 1 --repeats 3 \

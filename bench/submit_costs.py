@@ -312,18 +312,81 @@ async def both_directions(repeats: int) -> dict[str, Any]:
     return out
 
 
+def dma_streams(repeats: int) -> dict[str, Any]:
+    """512 random 2 MiB DMAs each way through one batched call per stream, spread over 1, 2
+    or 4 streams per direction; and DMA size against speed on one stream."""
+    GB = 1e9
+    rt = _Runtime()
+    dev = torch.device("cuda", 0)
+    seg, n = 2 << 20, 512
+    dbuf = torch.randint(0, 255, (2 * n * seg,), dtype=torch.uint8, device=dev)
+    hbuf = torch.randint(0, 255, (2 * n * seg,), dtype=torch.uint8).pin_memory()
+    streams = [torch.cuda.Stream(dev) for _ in range(8)]
+    out: dict[str, Any] = {}
+
+    def plan(lo: int, count: int, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        perm = torch.randperm(count) + lo
+        host = hbuf.data_ptr() + perm * size
+        device = dbuf.data_ptr() + (torch.arange(count) + lo) * size
+        return host, device, torch.full((count,), size, dtype=torch.int64)
+
+    def run(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for k, (host, device, sizes, to_host) in enumerate(parts):
+            s = streams[k].cuda_stream
+            if to_host:
+                rt.copy_segments(host, device, sizes, s)
+            else:
+                rt.copy_segments(device, host, sizes, s)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def split(
+        host: torch.Tensor, device: torch.Tensor, sizes: torch.Tensor, k: int, to_host: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]:
+        return [(host[i::k], device[i::k], sizes[i::k], to_host) for i in range(k)]
+
+    for size in (2 << 20, 8 << 20, 32 << 20):
+        count = n * seg // size
+        h, d, z = plan(0, count, size)
+        parts = split(h, d, z, 1, True)
+        run(parts)
+        out[f"D2H {size >> 20} MiB DMAs 1 stream GB/s"] = (
+            n * seg / statistics.median([run(parts) for _ in range(repeats)]) / GB
+        )
+    for k in (1, 2, 4):
+        h, d, z = plan(0, n, seg)
+        h2, d2, z2 = plan(n, n, seg)
+        for name, parts in (
+            ("D2H", split(h, d, z, k, True)),
+            ("H2D", split(h2, d2, z2, k, False)),
+            ("both", split(h, d, z, k, True) + split(h2, d2, z2, k, False)),
+        ):
+            run(parts)
+            total = n * seg * (2 if name == "both" else 1)
+            out[f"{name} 2 MiB DMAs {k} streams/direction GB/s"] = (
+                total / statistics.median([run(parts) for _ in range(repeats)]) / GB
+            )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--samples", type=int, default=500)
+    parser.add_argument("--only", default="costs,streams,both")
     args = parser.parse_args()
     import anyio
 
     report: dict[str, Any] = {
-        "host_costs": host_costs(),
-        "completion": completion_costs(args.samples),
+        "host_costs": host_costs() if "costs" in args.only else {},
+        "completion": completion_costs(args.samples) if "costs" in args.only else {},
     }
-    report["both"] = anyio.run(both_directions, 5)
+    if "streams" in args.only:
+        report["streams"] = dma_streams(5)
+    if "both" in args.only:
+        report["both"] = anyio.run(both_directions, 5)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
     for part, rows in report.items():
