@@ -1,31 +1,38 @@
 """CUDA transfer engine: KV blocks between device arrays and the pinned host region.
 
-Store and load each have a dedicated stream, so both directions run at once. Methods:
+Each direction (store, load) has a lane of its own streams, so both directions run at
+once: a kernel stream, where copy kernels run and where a job ends, and two DMA streams
+that share the job's DMAs (two streams keep the bus busy between DMAs: on the H200, 2 MiB
+DMAs both ways reach 95 GB/s on two streams per direction and 89 on one; see
+bench/RESULTS.md). Jobs of one direction run in submission order. Methods:
 
 - ``batch``: one DMA per (block, array) segment, issued with one
-  ``cudaMemcpyBatchAsync`` call where the runtime has it (CUDA >= 12.8; its signature
-  changed in 13.0), else a loop of ``cudaMemcpyAsync``. Uses no SMs; per-copy overhead
-  limits it with small blocks.
-- ``pack``: a copy kernel gathers the blocks into a device staging buffer laid out like
-  the host (block-major), then one DMA per run of consecutive host blocks moves it (load:
-  the reverse). The kernel runs at device-memory speed for a few percent of the DMA's
-  time, so the bus does the work and the SMs stay with the model.
+  ``cudaMemcpyBatchAsync`` call per stream where the runtime has it (CUDA >= 12.8; its
+  signature changed in 13.0), else a loop of ``cudaMemcpyAsync``. Uses no SMs; per-copy
+  overhead limits it with small blocks. A small transfer (one Llama block) takes this
+  path with its addresses computed in plain Python: a handful of microseconds to submit.
+- ``pack``: a copy kernel gathers the blocks into one half of a device staging buffer
+  laid out like the host (block-major), then one DMA per run of consecutive host blocks
+  moves it while the kernel fills the other half (load: the reverse). The kernel runs at
+  device-memory speed, so the bus does the work and the SMs stay with the model.
 - ``kernel``: the same copy kernel reading or writing host memory directly through UVA,
   with a bounded number of CTAs.
 
-Completion: each stream has one waiter thread that blocks on a blocking-sync CUDA event
-(the thread sleeps; no core spins) and then wakes the event loop. Buffers a copy uses are
-kept alive until that moment.
+Completion: each direction has one waiter thread that blocks on a blocking-sync CUDA
+event (the thread sleeps; no core spins) and then wakes the event loop. Buffers a copy
+uses are kept alive until that moment.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
+import contextlib
 import ctypes
 import queue
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Union
 
 import anyio
 import anyio.from_thread
@@ -41,7 +48,7 @@ from asyncpin.transfers import Direction, TransferJob, settle_interrupted
 __all__ = ["CudaTransferEngine", "batch_copy_available"]
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from UVA
-_STAGING_BYTES = 256 << 20
+_STAGING_BYTES = 256 << 20  # per direction, in two halves
 # Copy kernel CTAs: enough to reach the bus's speed, few enough to leave the SMs to the
 # model (BENCH.md: 8 CTAs reach 50 GB/s D2H, H2D needs 32).
 KERNEL_CTAS = {"store": 16, "load": 32}
@@ -49,6 +56,20 @@ _PACK_CTAS = 132
 # From here on one DMA per segment is as fast as packing (H200: 2 MiB batch 51.5 GB/s,
 # pack 49.9; at 256 KiB batch 45.4, pack 49.4): bench/RESULTS.md.
 _BATCH_MIN_BLOCK_BYTES = 1 << 20
+# Up to this many segments (one block of a 32-layer K/V layout) a transfer is submitted
+# with plain-Python addresses, one batched DMA call and one stream: every torch op on a
+# CPU tensor would cost more than the copy's own submission.
+_SMALL_SEGMENTS = 64
+_EVENT_DISABLE_TIMING = 2
+
+# Address arrays for a batched copy: int64 tensors, or array("Q") for small transfers.
+Addresses = Union[torch.Tensor, "array.array[int]"]
+
+
+def _pointer(addresses: Addresses) -> int:
+    if isinstance(addresses, torch.Tensor):
+        return addresses.data_ptr()
+    return addresses.buffer_info()[0]
 
 
 class _MemLocation(ctypes.Structure):
@@ -82,23 +103,26 @@ class _Runtime:
             ctypes.c_int,
             ctypes.c_void_p,
         ]
+        lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.cudaEventDestroy.argtypes = [ctypes.c_void_p]
+        lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
         self.batch = getattr(lib, "cudaMemcpyBatchAsync", None) if self.version >= 12080 else None
         # src order "stream" (1); prefer overlap with compute (1): leave the SMs alone.
         self.attrs = _MemcpyAttributes(1, _MemLocation(0, 0), _MemLocation(0, 0), 1)
         self.attr_index = (ctypes.c_size_t * 1)(0)
 
     def copy_segments(
-        self, dsts: torch.Tensor, srcs: torch.Tensor, sizes: torch.Tensor, stream: int
+        self, dsts: Addresses, srcs: Addresses, sizes: Addresses, stream: int
     ) -> None:
-        """Enqueue ``len(dsts)`` copies (int64 CPU tensors of addresses and sizes)."""
-        count = int(dsts.numel())
+        """Enqueue ``len(dsts)`` copies (arrays of 64-bit addresses and sizes)."""
+        count = len(dsts)
         if count == 0:
             return
         if self.batch is not None:
             args: list[Any] = [
-                ctypes.c_void_p(dsts.data_ptr()),
-                ctypes.c_void_p(srcs.data_ptr()),
-                ctypes.c_void_p(sizes.data_ptr()),
+                ctypes.c_void_p(_pointer(dsts)),
+                ctypes.c_void_p(_pointer(srcs)),
+                ctypes.c_void_p(_pointer(sizes)),
                 ctypes.c_size_t(count),
                 ctypes.byref(self.attrs),
                 self.attr_index,
@@ -113,6 +137,24 @@ class _Runtime:
         for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
             code = self.lib.cudaMemcpyAsync(dst, src, size, _MEMCPY_DEFAULT, stream)
             self._check("cudaMemcpyAsync", code)
+
+    def event(self) -> int:
+        """A raw event for ordering streams (no timing, so recording it is cheap)."""
+        handle = ctypes.c_void_p()
+        code = self.lib.cudaEventCreateWithFlags(ctypes.byref(handle), _EVENT_DISABLE_TIMING)
+        self._check("cudaEventCreateWithFlags", code)
+        return int(handle.value or 0)
+
+    def record(self, event: int, stream: int) -> None:
+        self._check("cudaEventRecord", self.lib.cudaEventRecord(event, stream))
+
+    def wait(self, stream: int, event: int) -> None:
+        """Work queued on ``stream`` from now on waits for ``event``'s latest record (the
+        one made before this call: recording the event again later changes nothing)."""
+        self._check("cudaStreamWaitEvent", self.lib.cudaStreamWaitEvent(stream, event, 0))
+
+    def destroy(self, event: int) -> None:
+        self.lib.cudaEventDestroy(event)  # released once pending work no longer needs it
 
     def _check(self, op: str, code: int) -> None:
         if code != 0:
@@ -155,6 +197,7 @@ class _Waiter:
         self._thread.start()
 
     def submit(self, event: Any, report: Callable[[BaseException | None], None]) -> None:
+        """Call ``report(error)`` in this thread once ``event`` has completed."""
         self._queue.put((event, report))
 
     def _run(self) -> None:
@@ -180,8 +223,28 @@ def _load_kernel() -> Any:
     return kv_copy
 
 
+class _Lane:
+    """One direction's streams, ordering events and staging buffer."""
+
+    def __init__(self, rt: _Runtime, device: torch.device) -> None:
+        self.kernel = torch.cuda.Stream(device)
+        self.dma = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        self.pageable = torch.cuda.Stream(device)  # used from a worker thread only
+        # Recorded and waited on from the event loop thread only, so shared by all jobs.
+        self.ready = rt.event()  # the caller's stream at submission
+        self.last = rt.event()  # the end of the previous job of this direction
+        self.step = rt.event()  # kernel stream -> DMA streams
+        self.moved = (rt.event(), rt.event())  # each DMA stream -> another stream
+        self.free = [rt.event(), rt.event()]  # a staging half may be written again
+        self.staging: torch.Tensor | None = None
+        self.half = 0  # the staging half the next piece uses
+
+    def events(self) -> list[int]:
+        return [self.ready, self.last, self.step, *self.moved, *self.free]
+
+
 class CudaTransferEngine:
-    """Store/load streams, copy methods and completion waiters for one KV layout."""
+    """Store/load lanes, copy methods and completion waiters for one KV layout."""
 
     name = "cuda"
 
@@ -191,25 +254,33 @@ class CudaTransferEngine:
         self._layout = layout
         self._chunk_bytes = chunk_bytes
         self._device = layout.device
+        # A CUDA tensor's device always has its index; the layout takes it from them.
+        self._index: int = layout.device.index if layout.device.index is not None else 0
         self._start_soon = start_soon
         self._call_soon = _loop_caller()
 
         self._rt = _Runtime()
         self._kernel = _load_kernel() if layout.block_bytes % 8 == 0 else None
-        self._streams: dict[Direction, torch.cuda.Stream] = {
-            "store": torch.cuda.Stream(self._device),
-            "load": torch.cuda.Stream(self._device),
-        }
+        with torch.cuda.device(self._index):
+            self._lanes: dict[Direction, _Lane] = {
+                "store": _Lane(self._rt, self._device),
+                "load": _Lane(self._rt, self._device),
+            }
         self._waiters = {d: _Waiter(f"asyncpin-{d}-waiter") for d in ("store", "load")}
         self._host_base = host_blocks.data_ptr()
         ptrs = [a.data_ptr() for a in layout.arrays]
         strides = [a.stride(0) * layout.dtype.itemsize for a in layout.arrays]
+        # The same table three ways: python (small transfers), CPU and device tensors.
+        self._arrays = list(zip(ptrs, strides, strict=True))
+        self._offsets = [a * layout.block_bytes for a in range(layout.num_arrays)]
         self._ptrs_cpu = torch.tensor(ptrs, dtype=torch.int64)
         self._strides_cpu = torch.tensor(strides, dtype=torch.int64)
         self._ptrs = self._ptrs_cpu.to(self._device)
         self._strides = self._strides_cpu.to(self._device)
         self._arange_arrays = torch.arange(layout.num_arrays, dtype=torch.int64)
-        self._staging: dict[Direction, torch.Tensor] = {}
+        # Host blocks start at the region's start, as chunks do: no block crosses a
+        # registration boundary when blocks tile chunks.
+        self._blocks_tile_chunks = chunk_bytes % layout.host_block_bytes == 0
 
     def methods(self) -> tuple[str, ...]:
         return ("batch", "pack", "kernel") if self._kernel is not None else ("batch",)
@@ -224,6 +295,8 @@ class CudaTransferEngine:
             return "batch"
         if job.method != "auto":
             return job.method
+        if job.transfer.num_blocks * self._layout.num_arrays <= _SMALL_SEGMENTS:
+            return "batch"
         return "batch" if self._layout.block_bytes >= _BATCH_MIN_BLOCK_BYTES else "pack"
 
     def submit(self, job: TransferJob, *, pageable: bool) -> None:
@@ -234,48 +307,67 @@ class CudaTransferEngine:
             job.transfer._finish()
         elif pageable:
             # Copies from pageable memory make the host wait: off the event loop.
+            if job.ready is None:
+                job.ready = self.record_ready()
             self._start_soon(self._submit_in_thread, job)
         else:
             self._enqueue(job, method)
 
-    async def _submit_in_thread(self, job: TransferJob) -> None:
-        try:
-            await anyio.to_thread.run_sync(self._enqueue, job, "batch")
-        except Exception as exc:  # nothing was enqueued (see _enqueue)
-            error = TransferError(f"{job.transfer.direction} could not be enqueued: {exc}")
-            error.__cause__ = exc
-            job.transfer._finish(error)
-        except BaseException as exc:
-            settle_interrupted(job.transfer, exc)
-            raise
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
+        if torch.cuda.current_device() == self._index:
+            return contextlib.nullcontext()
+        return torch.cuda.device(self._index)
+
+    # -- pinned jobs, from the event loop thread ----------------------------------------
 
     def _enqueue(self, job: TransferJob, method: str) -> None:
-        """Queue the copy and its completion event. Once the stream has work of this job,
+        """Queue the copy and its completion event. Once a stream has work of this job,
         a failure no longer raises: it is reported through the handle only after the
-        stream has drained, so no buffer is released while a copy may still touch it."""
+        job's streams have drained, so no buffer is released while a copy may still
+        touch it."""
         direction = job.transfer.direction
-        stream = self._streams[direction]
-        with torch.cuda.device(self._device), torch.cuda.stream(stream):
+        lane, rt = self._lanes[direction], self._rt
+        with self._on_device():
+            if job.ready is None:
+                # The raw handle of torch's current stream (what torch's own generated
+                # code reads): 0.3 us, against 5.6 us for torch.cuda.current_stream().
+                caller = torch._C._cuda_getCurrentRawStream(self._index)
+                rt.record(lane.ready, caller)
             failure: BaseException | None = None
             try:
-                if job.ready is not None:
-                    stream.wait_event(job.ready)
                 if method == "batch":
-                    self._batch(job, stream)
+                    tail = self._batch(job, lane)
                 elif method == "kernel":
-                    self._kernel_copy(job, self._host_base, job.cpu_ids, KERNEL_CTAS[direction])
+                    tail = self._uva_kernel(job, lane)
                 else:
-                    self._pack(job, stream)
+                    tail = self._pack(job, lane)
             except Exception as exc:
                 failure = exc
+                tail = self._join(lane)  # whatever was queued, on any of the lane's streams
             done = torch.cuda.Event(blocking=True)
-            done.record(stream)
+            done.record(tail)
+            rt.record(lane.last, tail.cuda_stream)
         job.transfer.event = done
         # A blocking-sync event: the waiter thread sleeps until the copy is done, and a
         # device error surfaces there as an exception. (cudaLaunchHostFunc was measured as
         # an alternative: no faster at p50, worse at p99, and it never runs after a
         # context error, which would leave the transfer pending forever.)
         self._waiters[direction].submit(done, lambda error: self._report(job, error or failure))
+
+    def _start(self, stream: torch.cuda.Stream, job: TransferJob, lane: _Lane) -> None:
+        """``stream`` waits for the caller's stream and for the direction's previous job."""
+        if job.ready is not None:
+            stream.wait_event(job.ready)
+        else:
+            self._rt.wait(stream.cuda_stream, lane.ready)
+        self._rt.wait(stream.cuda_stream, lane.last)
+
+    def _join(self, lane: _Lane) -> torch.cuda.Stream:
+        """The kernel stream waits for everything queued so far on the DMA streams."""
+        for dma, moved in zip(lane.dma, lane.moved, strict=True):
+            self._rt.record(moved, dma.cuda_stream)
+            self._rt.wait(lane.kernel.cuda_stream, moved)
+        return lane.kernel
 
     def _report(self, job: TransferJob, error: BaseException | None) -> None:
         if error is not None and not isinstance(error, TransferError):
@@ -289,11 +381,50 @@ class CudaTransferEngine:
         job.transfer._finish(error)
         job.keep.clear()
 
+    # -- pageable jobs, in a worker thread ------------------------------------------------
+
+    async def _submit_in_thread(self, job: TransferJob) -> None:
+        try:
+            await anyio.to_thread.run_sync(self._copy_pageable, job)
+        except Exception as exc:
+            error = TransferError(f"{job.transfer.direction} from pageable memory failed: {exc}")
+            error.__cause__ = exc
+            job.transfer._finish(error)
+        except BaseException as exc:
+            settle_interrupted(job.transfer, exc)
+            raise
+        else:
+            job.transfer._finish()
+        finally:
+            job.keep.clear()
+
+    def _copy_pageable(self, job: TransferJob) -> None:
+        """Copy and wait, in this worker thread: the host waits for pageable copies
+        anyway. Pageable jobs have a stream of their own per direction, so they take no
+        part in the order of pinned jobs. Whatever happens, the thread returns only once
+        the stream has drained, so nothing the copy touches is released early."""
+        stream = self._lanes[job.transfer.direction].pageable
+        with self._on_device():
+            try:
+                stream.wait_event(job.ready)
+                device, host = self.segments(job.gpu_ids, job.cpu_ids)
+                sizes = torch.full_like(device, self._layout.block_bytes)
+                job.keep += self.copy_host(
+                    host, device, sizes, to_host=job.transfer.direction == "store", streams=[stream]
+                )
+            finally:
+                done = torch.cuda.Event(blocking=True)
+                done.record(stream)
+                job.transfer.event = done
+                done.synchronize()
+
     # -- methods ----------------------------------------------------------------------
 
-    def _segments(self, job: TransferJob) -> tuple[torch.Tensor, torch.Tensor]:
+    def segments(self, gpu_ids: list[int], cpu_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device and host addresses of every (block, array) segment, block by block."""
         layout = self._layout
-        g, c = job.gpu_ids[:, None], job.cpu_ids[:, None]
+        g = torch.tensor(gpu_ids, dtype=torch.int64)[:, None]
+        c = torch.tensor(cpu_ids, dtype=torch.int64)[:, None]
         device = (self._ptrs_cpu[None, :] + g * self._strides_cpu[None, :]).reshape(-1)
         host = (
             self._host_base
@@ -301,18 +432,49 @@ class CudaTransferEngine:
         ).reshape(-1)
         return device, host
 
-    def _batch(self, job: TransferJob, stream: torch.cuda.Stream) -> None:
-        device, host = self._segments(job)
-        sizes = torch.full_like(device, self._layout.block_bytes)
-        job.keep += self.copy_host(host, device, sizes, job.transfer.direction == "store", stream)
+    def _batch(self, job: TransferJob, lane: _Lane) -> torch.cuda.Stream:
+        to_host = job.transfer.direction == "store"
+        size = self._layout.block_bytes
+        if job.transfer.num_blocks * self._layout.num_arrays <= _SMALL_SEGMENTS:
+            stream = lane.dma[0]
+            self._start(stream, job, lane)
+            device = [p + g * stride for g in job.gpu_ids for p, stride in self._arrays]
+            base, block = self._host_base, self._layout.host_block_bytes
+            host = [base + c * block + off for c in job.cpu_ids for off in self._offsets]
+            sizes = [size] * len(host)
+            if not self._blocks_tile_chunks:
+                parts = self._cut_all(host, device, sizes)
+                host, device, sizes = ([p[i] for p in parts] for i in range(3))
+            addresses = [array.array("Q", a) for a in (host, device, sizes)]
+            dst, src = (addresses[0], addresses[1]) if to_host else (addresses[1], addresses[0])
+            self._rt.copy_segments(dst, src, addresses[2], stream.cuda_stream)
+            job.keep += addresses
+            return stream
+        for stream in lane.dma:
+            self._start(stream, job, lane)
+        dev, hst = self.segments(job.gpu_ids, job.cpu_ids)
+        job.keep += self.copy_host(
+            hst, dev, torch.full_like(dev, size), to_host=to_host, streams=lane.dma
+        )
+        return self._join(lane)
 
-    def _kernel_copy(
-        self, job: TransferJob, host_base: int, cpu_ids: torch.Tensor, ctas: int
+    def _launch(
+        self,
+        gpu_ids: list[int],
+        slots: list[int],
+        host_base: int,
+        *,
+        to_host: bool,
+        ctas: int,
+        keep: list[Any],
     ) -> None:
+        """The copy kernel on the current torch stream: block ``gpu_ids[i]`` of every
+        array to or from slot ``slots[i]`` of a block-major buffer at ``host_base``."""
         layout = self._layout
         assert self._kernel is not None
-        ids = torch.stack([job.gpu_ids, cpu_ids]).pin_memory().to(self._device, non_blocking=True)
-        n_segments = int(job.gpu_ids.numel()) * layout.num_arrays
+        ids = torch.tensor([gpu_ids, slots], dtype=torch.int64).pin_memory()
+        ids = ids.to(self._device, non_blocking=True)
+        n_segments = len(gpu_ids) * layout.num_arrays
         self._kernel[(min(ctas, n_segments),)](
             ids[0],
             ids[1],
@@ -322,80 +484,130 @@ class CudaTransferEngine:
             n_segments,
             layout.num_arrays,
             layout.block_bytes // 8,
-            TO_HOST=job.transfer.direction == "store",
+            TO_HOST=to_host,
             BLOCK=512,
         )
-        job.keep.append(ids)
+        keep.append(ids)
 
-    def _pack(self, job: TransferJob, stream: torch.cuda.Stream) -> None:
-        layout = self._layout
+    def _uva_kernel(self, job: TransferJob, lane: _Lane) -> torch.cuda.Stream:
         direction = job.transfer.direction
-        staging = self._staging.get(direction)
-        if staging is None:
-            size = max(_STAGING_BYTES // layout.host_block_bytes, 1) * layout.host_block_bytes
-            staging = self._staging[direction] = torch.empty(
-                size, dtype=torch.uint8, device=self._device
+        self._start(lane.kernel, job, lane)
+        with torch.cuda.stream(lane.kernel):
+            self._launch(
+                job.gpu_ids,
+                job.cpu_ids,
+                self._host_base,
+                to_host=direction == "store",
+                ctas=KERNEL_CTAS[direction],
+                keep=job.keep,
             )
-        per_piece = staging.numel() // layout.host_block_bytes
-        for start in range(0, job.transfer.num_blocks, per_piece):
-            piece = TransferJob(
-                job.transfer,
-                job.gpu_ids[start : start + per_piece],
-                job.cpu_ids[start : start + per_piece],
-                job.method,
+        return lane.kernel
+
+    def _pack(self, job: TransferJob, lane: _Lane) -> torch.cuda.Stream:
+        """Pieces of the job go through the two staging halves in turn, so the kernel
+        fills (store) or drains (load) one half while DMAs move the other."""
+        layout, rt = self._layout, self._rt
+        store = job.transfer.direction == "store"
+        if lane.staging is None:
+            per_half = max(_STAGING_BYTES // 2 // layout.host_block_bytes, 1)
+            lane.staging = torch.empty(
+                (2, per_half * layout.host_block_bytes), dtype=torch.uint8, device=self._device
             )
-            n = int(piece.gpu_ids.numel())
-            local = torch.arange(n, dtype=torch.int64)
-            if direction == "store":
-                self._kernel_copy(piece, staging.data_ptr(), local, _PACK_CTAS)
-                self._dma_runs(
-                    piece.cpu_ids, staging.data_ptr(), to_host=True, stream=stream, keep=job.keep
-                )
-            else:
-                self._dma_runs(
-                    piece.cpu_ids, staging.data_ptr(), to_host=False, stream=stream, keep=job.keep
-                )
-                self._kernel_copy(piece, staging.data_ptr(), local, _PACK_CTAS)
-            job.keep += piece.keep
+        per_piece = lane.staging.shape[1] // layout.host_block_bytes
+        kernel, dma = lane.kernel, lane.dma
+        self._start(kernel, job, lane)
+        with torch.cuda.stream(kernel):
+            for start in range(0, job.transfer.num_blocks, per_piece):
+                gpu_ids = job.gpu_ids[start : start + per_piece]
+                cpu_ids = job.cpu_ids[start : start + per_piece]
+                half = lane.half
+                lane.half ^= 1
+                staging = lane.staging[half].data_ptr()
+                slots = list(range(len(gpu_ids)))
+                if store:
+                    rt.wait(kernel.cuda_stream, lane.free[half])
+                    self._launch(
+                        gpu_ids, slots, staging, to_host=True, ctas=_PACK_CTAS, keep=job.keep
+                    )
+                    rt.record(lane.step, kernel.cuda_stream)
+                    for stream in dma:
+                        rt.wait(stream.cuda_stream, lane.step)
+                    self._dma_runs(cpu_ids, staging, to_host=True, streams=dma, keep=job.keep)
+                    # The half is free once both DMA streams have read it.
+                    rt.record(lane.moved[1], dma[1].cuda_stream)
+                    rt.wait(dma[0].cuda_stream, lane.moved[1])
+                    rt.record(lane.free[half], dma[0].cuda_stream)
+                else:
+                    for stream in dma:
+                        rt.wait(stream.cuda_stream, lane.free[half])
+                    self._dma_runs(cpu_ids, staging, to_host=False, streams=dma, keep=job.keep)
+                    for stream, moved in zip(dma, lane.moved, strict=True):
+                        rt.record(moved, stream.cuda_stream)
+                        rt.wait(kernel.cuda_stream, moved)
+                    self._launch(
+                        gpu_ids, slots, staging, to_host=False, ctas=_PACK_CTAS, keep=job.keep
+                    )
+                    rt.record(lane.free[half], kernel.cuda_stream)
+        return self._join(lane) if store else kernel
 
     def _dma_runs(
         self,
-        cpu_ids: torch.Tensor,
+        cpu_ids: list[int],
         staging: int,
         *,
         to_host: bool,
-        stream: torch.cuda.Stream,
+        streams: Sequence[torch.cuda.Stream],
         keep: list[Any],
     ) -> None:
         """One DMA per run of consecutive host blocks between staging and the region."""
         size = self._layout.host_block_bytes
-        n = int(cpu_ids.numel())
+        ids = torch.tensor(cpu_ids, dtype=torch.int64)
+        n = len(cpu_ids)
         breaks = torch.ones(n, dtype=torch.bool)
-        breaks[1:] = cpu_ids[1:] != cpu_ids[:-1] + 1
+        breaks[1:] = ids[1:] != ids[:-1] + 1
         starts = torch.nonzero(breaks).reshape(-1)
         lengths = torch.diff(torch.cat([starts, torch.tensor([n])]))
-        host = self._host_base + cpu_ids[starts] * size
+        host = self._host_base + ids[starts] * size
         local = staging + starts * size
-        sizes = lengths * size
-        keep += self.copy_host(host, local, sizes, to_host, stream)
+        keep += self.copy_host(host, local, lengths * size, to_host=to_host, streams=streams)
 
     def copy_host(
         self,
         host: torch.Tensor,
         device: torch.Tensor,
         sizes: torch.Tensor,
+        *,
         to_host: bool,
-        stream: torch.cuda.Stream,
+        streams: Sequence[torch.cuda.Stream],
     ) -> list[torch.Tensor]:
-        """DMA between host ranges of the region and device ranges; returns the address
-        tensors to keep alive. A DMA must not span two registrations (the driver answers
-        cudaErrorInvalidValue), so ranges are cut at chunk boundaries."""
+        """DMA between host ranges of the region and device ranges, spread over
+        ``streams``; returns the address tensors to keep alive. A DMA must not span two
+        registrations (the driver answers cudaErrorInvalidValue), so ranges are cut at
+        chunk boundaries."""
         host, device, sizes = self._split_at_chunks(host, device, sizes)
-        if to_host:
-            self._rt.copy_segments(host, device, sizes, stream.cuda_stream)
-        else:
-            self._rt.copy_segments(device, host, sizes, stream.cuda_stream)
-        return [host, device, sizes]
+        k, keep = len(streams), []
+        for i, stream in enumerate(streams):
+            h, d, z = (t[i::k].contiguous() for t in (host, device, sizes))
+            if to_host:
+                self._rt.copy_segments(h, d, z, stream.cuda_stream)
+            else:
+                self._rt.copy_segments(d, h, z, stream.cuda_stream)
+            keep += [h, d, z]
+        return keep
+
+    def _cut(self, h: int, o: int, z: int) -> Iterator[tuple[int, int, int]]:
+        """Range ``[h, h + z)`` of the region (and its partner at ``o``) cut at chunk
+        boundaries."""
+        base, chunk = self._host_base, self._chunk_bytes
+        while z > 0:
+            part = min(z, base + ((h - base) // chunk + 1) * chunk - h)
+            yield h, o, part
+            h, o, z = h + part, o + part, z - part
+
+    def _cut_all(
+        self, host: list[int], other: list[int], sizes: list[int]
+    ) -> list[tuple[int, int, int]]:
+        return [p for h, o, z in zip(host, other, sizes, strict=True) for p in self._cut(h, o, z)]
 
     def _split_at_chunks(
         self, host: torch.Tensor, other: torch.Tensor, sizes: torch.Tensor
@@ -404,15 +616,10 @@ class CudaTransferEngine:
         crosses = (host - base) // chunk != (host + sizes - 1 - base) // chunk
         if not bool(crosses.any()):
             return host, other, sizes
-        parts: list[tuple[int, int, int]] = []
-        for h, o, z in zip(
-            host[crosses].tolist(), other[crosses].tolist(), sizes[crosses].tolist(), strict=True
-        ):
-            while z > 0:
-                part = min(z, base + ((h - base) // chunk + 1) * chunk - h)
-                parts.append((h, o, part))
-                h, o, z = h + part, o + part, z - part
-        extra = torch.tensor(parts, dtype=torch.int64)
+        extra = torch.tensor(
+            self._cut_all(host[crosses].tolist(), other[crosses].tolist(), sizes[crosses].tolist()),
+            dtype=torch.int64,
+        )
         keep = ~crosses
         return (
             torch.cat([host[keep], extra[:, 0]]),
@@ -423,3 +630,6 @@ class CudaTransferEngine:
     def close(self) -> None:
         for waiter in self._waiters.values():
             waiter.close()
+        for lane in self._lanes.values():
+            for event in lane.events():
+                self._rt.destroy(event)

@@ -606,12 +606,12 @@ class OffloadManager:
             raise ConfigError("this manager has no KV layout (use OffloadManager.for_kv)")
         gpu = block_ids(gpu_block_ids, "gpu_block_ids", layout.num_blocks)
         cpu = block_ids(cpu_block_ids, "cpu_block_ids", self._num_host_blocks)
-        if gpu.numel() != cpu.numel():
+        if len(gpu) != len(cpu):
             raise InvalidTransferError(
-                f"gpu_block_ids has {gpu.numel()} ids and cpu_block_ids {cpu.numel()}"
+                f"gpu_block_ids has {len(gpu)} ids and cpu_block_ids {len(cpu)}"
             )
         dst = cpu if direction == "store" else gpu
-        if torch.unique(dst).numel() != dst.numel():
+        if len(set(dst)) != len(dst):
             raise InvalidTransferError(
                 f"{'cpu' if direction == 'store' else 'gpu'}_block_ids has duplicate "
                 "destinations: the result would depend on copy order"
@@ -620,11 +620,8 @@ class OffloadManager:
             raise InvalidTransferError(
                 f"method {method!r} is not available here; use one of {engine.methods()}"
             )
-        transfer = Transfer(direction, int(gpu.numel()), int(gpu.numel()) * layout.host_block_bytes)
+        transfer = Transfer(direction, len(gpu), len(gpu) * layout.host_block_bytes)
         job = TransferJob(transfer, gpu, cpu, method)
-        # A store must not copy blocks before the compute stream has produced them, and a
-        # load must not overwrite blocks the compute stream is still reading.
-        job.ready = engine.record_ready()
         self._track(transfer)
         needed = self._unpinned_chunks(cpu) if not scheduler.all_pinned() else []
         if not needed:
@@ -634,6 +631,10 @@ class OffloadManager:
             self._enqueue(job, pageable=True)
         else:
             self._counts["waited"] += 1
+            # A store must not copy blocks before the compute stream has produced them,
+            # and a load must not overwrite blocks the compute stream is still reading:
+            # the copy, queued later, waits for what the caller's stream has queued now.
+            job.ready = engine.record_ready()
             assert self._tg is not None
             self._tg.start_soon(self._enqueue_when_pinned, job, needed)
         return transfer
@@ -680,12 +681,12 @@ class OffloadManager:
             job.transfer._finish(error)
             raise error from exc
 
-    def _unpinned_chunks(self, cpu_ids: torch.Tensor) -> list[int]:
+    def _unpinned_chunks(self, cpu_ids: list[int]) -> list[int]:
         scheduler, layout = self._scheduler, self._layout
         assert scheduler is not None and layout is not None
         size = layout.host_block_bytes
         chunks: set[int] = set()
-        for c in torch.unique(cpu_ids).tolist():
+        for c in set(cpu_ids):
             chunks.update(scheduler.chunks_of(c * size, size))
         return sorted(i for i in chunks if not scheduler.is_chunk_pinned(i))
 

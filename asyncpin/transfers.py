@@ -107,16 +107,18 @@ class TransferJob:
     """Everything an engine needs for one validated transfer."""
 
     transfer: Transfer
-    gpu_ids: torch.Tensor  # int64, CPU
-    cpu_ids: torch.Tensor  # int64, CPU
+    gpu_ids: list[int]
+    cpu_ids: list[int]
     method: Method
-    ready: Any = None  # CUDA event the store must wait for (the compute stream's work)
+    ready: Any = None  # for a job submitted late: the caller's stream when it was made
     keep: list[Any] = field(default_factory=list)  # buffers alive until the copy is done
 
 
 class TransferEngine(Protocol):
     """Runs validated jobs. ``submit`` enqueues at once (from the event loop thread) and
-    arranges for ``job.transfer._finish`` to be called on the loop when the copy is done."""
+    arranges for ``job.transfer._finish`` to be called on the loop when the copy is done.
+    The copy waits for the work queued so far on the caller's current stream: at
+    ``submit`` time, or at ``record_ready()`` time for a job submitted later (``job.ready``)."""
 
     name: str
 
@@ -149,8 +151,12 @@ def host_blocks_view(
     )
 
 
-def block_ids(ids: Sequence[int] | torch.Tensor, what: str, limit: int) -> torch.Tensor:
-    """Validate a list of block ids: 1-D integers on the CPU, all in ``[0, limit)``."""
+def block_ids(ids: Sequence[int] | torch.Tensor, what: str, limit: int) -> list[int]:
+    """Validate a list of block ids: 1-D integers on the CPU, all in ``[0, limit)``.
+
+    Returns a copy as a plain list (the caller may reuse its buffer at once). Plain Python
+    keeps a small transfer's submission to a few microseconds; a torch op on a CPU tensor
+    costs several."""
     if isinstance(ids, torch.Tensor):
         if ids.device.type != "cpu":
             raise InvalidTransferError(
@@ -161,7 +167,7 @@ def block_ids(ids: Sequence[int] | torch.Tensor, what: str, limit: int) -> torch
             raise InvalidTransferError(f"{what} must be integers, got dtype {ids.dtype}")
         if ids.dim() != 1:
             raise InvalidTransferError(f"{what} must be 1-D, got shape {tuple(ids.shape)}")
-        out = ids.to(torch.int64, copy=True)  # the caller may reuse its buffer at once
+        values: list[int] = ids.tolist()
     else:
         try:
             values = list(ids)
@@ -169,16 +175,12 @@ def block_ids(ids: Sequence[int] | torch.Tensor, what: str, limit: int) -> torch
             raise InvalidTransferError(f"{what} must be a sequence of ints or a tensor") from None
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
             raise InvalidTransferError(f"{what} must hold ints only")
-        try:
-            out = torch.tensor(values, dtype=torch.int64)
-        except (OverflowError, RuntimeError, ValueError):
-            raise InvalidTransferError(f"{what} holds ids that do not fit in int64") from None
-    if out.numel():
-        lo, hi = int(out.min()), int(out.max())
+    if values:
+        lo, hi = min(values), max(values)
         if lo < 0 or hi >= limit:
             bad = lo if lo < 0 else hi
             raise InvalidTransferError(f"{what} holds {bad}, outside [0, {limit})")
-    return out
+    return values
 
 
 class HostTransferEngine:
@@ -219,11 +221,13 @@ class HostTransferEngine:
 
     def _copy(self, job: TransferJob) -> None:
         host = self._host
+        gpu_ids = torch.tensor(job.gpu_ids, dtype=torch.int64)
+        cpu_ids = torch.tensor(job.cpu_ids, dtype=torch.int64)
         for a, array in enumerate(self._layout.arrays):
             if job.transfer.direction == "store":
-                host[job.cpu_ids, a] = array[job.gpu_ids]
+                host[cpu_ids, a] = array[gpu_ids]
             else:
-                array[job.gpu_ids] = host[job.cpu_ids, a]
+                array[gpu_ids] = host[cpu_ids, a]
 
     def close(self) -> None:
         return None

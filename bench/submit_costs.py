@@ -98,20 +98,9 @@ def host_costs() -> dict[str, Any]:
         dsts = array.array("Q", [host.data_ptr() + i * seg for i in range(n)])
         srcs = array.array("Q", [src.data_ptr() + i * seg for i in range(n)])
         sizes = array.array("Q", [seg] * n)
-        d, sr, sz = (ctypes.c_void_p(a.buffer_info()[0]) for a in (dsts, srcs, sizes))
-        assert rt.batch is not None
 
-        def batch(d: Any = d, sr: Any = sr, sz: Any = sz, n: int = n) -> None:
-            rt.batch(
-                d,
-                sr,
-                sz,
-                ctypes.c_size_t(n),
-                ctypes.byref(rt.attrs),
-                rt.attr_index,
-                ctypes.c_size_t(1),
-                ctypes.c_void_p(s),
-            )
+        def batch(dsts: Any = dsts, srcs: Any = srcs, sizes: Any = sizes) -> None:
+            rt.copy_segments(dsts, srcs, sizes, s)
 
         out[f"cudaMemcpyBatchAsync {n} seg"] = cost(batch, 500, between=stream.synchronize)
     out["ctypes cudaMemcpyAsync 1 seg"] = cost(

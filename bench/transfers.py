@@ -98,18 +98,13 @@ async def bench_size(block_bytes: int, n: int, repeats: int, peers: bool) -> dic
 
         # Peers: the same segments through one batched call / a per-segment loop.
         if peers:
-            from asyncpin.transfers import Transfer, TransferJob
-
             engine = mgr._engine
-            assert engine is not None
+            assert isinstance(engine, CudaTransferEngine)
             peer_direction: Direction
             for peer_direction in ("store", "load"):
                 direction = peer_direction
                 g, c = ids()
-                job = TransferJob(
-                    Transfer(direction, n, nbytes), torch.tensor(g), torch.tensor(c), "batch"
-                )
-                device, host = engine._segments(job)  # type: ignore[attr-defined]
+                device, host = engine.segments(g, c)
                 sizes = torch.full_like(device, layout.block_bytes)
                 dst, src = (host, device) if direction == "store" else (device, host)
 
@@ -143,12 +138,30 @@ async def bench_size(block_bytes: int, n: int, repeats: int, peers: bool) -> dic
             async def contiguous(direction: str = direction) -> None:
                 # Cut at the region's registration boundaries (16 MiB pieces), as any DMA
                 # into a chunked registration must be.
-                engine.copy_host(host_addr, dev_addr, size, direction == "store", stream)
+                engine.copy_host(
+                    host_addr, dev_addr, size, to_host=direction == "store", streams=[stream]
+                )
                 stream.synchronize()
 
             await contiguous()
             times = await timed(contiguous, repeats)
             result[f"contiguous_{direction}_gbps"] = span / statistics.median(times) / GB
+        # Both at once: half the span each way, on two streams (the bus's two-way ceiling).
+        other = torch.cuda.Stream()
+        half = span // 2
+        hi_host = host_addr + half
+        hi_dev = dev_addr + half
+        half_size = size // 2
+
+        async def contiguous_both() -> None:
+            engine.copy_host(host_addr, dev_addr, half_size, to_host=True, streams=[stream])
+            engine.copy_host(hi_host, hi_dev, half_size, to_host=False, streams=[other])
+            stream.synchronize()
+            other.synchronize()
+
+        await contiguous_both()
+        times = await timed(contiguous_both, repeats)
+        result["contiguous_both_gbps"] = span / statistics.median(times) / GB
         del dev
     del layout
     torch.cuda.empty_cache()
@@ -190,7 +203,7 @@ async def matmul_slowdown(repeats: int) -> dict[str, Any]:
                 side = torch.cuda.Stream()
                 while not stop.is_set():
                     if method == "contiguous":
-                        engine.copy_host(host_addr, dev_addr, size, True, side)
+                        engine.copy_host(host_addr, dev_addr, size, to_host=True, streams=[side])
                         await anyio.to_thread.run_sync(side.synchronize)
                     else:
                         g = torch.randperm(2 * n)[:n].tolist()
@@ -349,7 +362,10 @@ def main() -> None:
                 + " ".join(f"{c:>6.1f}" if c is not None else f"{'-':>6}" for c in cells)
             )
         if "both_at_once_gbps" in r:
-            print(f"{'':>11} both at once (auto): {r['both_at_once_gbps']:.1f} GB/s")
+            print(
+                f"{'':>11} both at once (auto): {r['both_at_once_gbps']:.1f} GB/s; "
+                f"contiguous both at once {r.get('contiguous_both_gbps', 0):.1f}"
+            )
         errors = {k: v for k, v in r.items() if k.endswith("_error")}
         if errors:
             print("   errors:", errors)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import anyio.lowlevel
@@ -104,6 +104,111 @@ class TestRegistrationBoundaries:
                 await mgr.load(cpu, dest, method=method)  # type: ignore[arg-type]
             for a, array in enumerate(layout.arrays):
                 assert torch.equal(array[dest].cpu(), mgr.host_blocks()[cpu, a])
+
+
+class TestSmallTransfers:
+    """One to four blocks (up to 64 segments) take the small path, byte for byte."""
+
+    @pytest.mark.parametrize("chunk_bytes", [None, 3 * 512 * 1024 // 2])
+    async def test_round_trip_block_by_block(self, chunk_bytes: int | None) -> None:
+        # With 1.5 MiB chunks, 512 KiB host blocks straddle registrations: cut in Python.
+        kwargs = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+        async with kv_manager(**kwargs) as (mgr, layout):
+            for n in (1, 2, 3, 4):
+                gpu, cpu = _ids(n, BLOCKS), _ids(n, HOST_BLOCKS)
+                with anyio.fail_after(60):
+                    store = mgr.store(gpu, cpu)
+                    await store
+                assert store.method == "batch"
+                _check_host(mgr, layout, gpu, cpu)
+                dest = _ids(n, BLOCKS)
+                with anyio.fail_after(60):
+                    await mgr.load(cpu, dest)
+                for a, array in enumerate(layout.arrays):
+                    assert torch.equal(array[dest].cpu(), mgr.host_blocks()[cpu, a])
+
+
+class TestSubmissionOrder:
+    """Jobs of one direction run in submission order, whatever their methods."""
+
+    PAIRS: ClassVar[list[tuple[str, str]]] = [
+        ("pack", "pack"),
+        ("pack", "batch"),
+        ("batch", "pack"),
+        ("kernel", "pack"),
+        ("pack", "auto"),
+    ]
+
+    @pytest.mark.parametrize(("first", "second"), PAIRS)
+    async def test_the_later_store_wins(self, first: str, second: str) -> None:
+        # 400 blocks: two staging pieces per pack job, so both halves turn over.
+        async with kv_manager() as (mgr, layout):
+            n = 2 if second == "auto" else 400
+            cpu = _ids(n, HOST_BLOCKS)
+            both = _ids(2 * n, BLOCKS)
+            a, b = both[:n], both[n:]
+            with anyio.fail_after(60):
+                one = mgr.store(a, cpu, method=first)  # type: ignore[arg-type]
+                two = mgr.store(b, cpu, method=second)  # type: ignore[arg-type]
+                await two
+                await one
+            _check_host(mgr, layout, b, cpu)
+
+    @pytest.mark.parametrize(("first", "second"), PAIRS)
+    async def test_the_later_load_wins(self, first: str, second: str) -> None:
+        async with kv_manager() as (mgr, layout):
+            n = 2 if second == "auto" else 400
+            gpu = _ids(n, BLOCKS)
+            x = _ids(n, HOST_BLOCKS // 2)
+            y = [c + HOST_BLOCKS // 2 for c in _ids(n, HOST_BLOCKS // 2)]
+            host = mgr.host_blocks()
+            host[x] = 1
+            host[y] = 2
+            with anyio.fail_after(60):
+                one = mgr.load(x, gpu, method=first)  # type: ignore[arg-type]
+                two = mgr.load(y, gpu, method=second)  # type: ignore[arg-type]
+                await two
+                await one
+            for array in layout.arrays:
+                assert bool((array[gpu] == 2).all()), "an earlier load landed last"
+
+
+class TestPageable:
+    """With pinning held back, transfers copy from pageable memory, byte for byte."""
+
+    async def test_round_trip_while_nothing_is_pinned(self) -> None:
+        layout = KVLayout.from_tensors(_kv(), block_dim=1)
+        mgr = OffloadManager.for_kv(layout, HOST_BLOCKS, backend="cuda", unpinned_policy="pageable")
+        pause = mgr.pinning_paused()
+        held = True
+
+        def release() -> None:  # before close: close's unpins wait for the pause
+            nonlocal held
+            if held:
+                held = False
+                pause.__exit__(None, None, None)
+
+        pause.__enter__()  # before entry: no chunk gets pinned
+        try:
+            async with mgr:
+                try:
+                    gpu, cpu = _ids(300, BLOCKS), _ids(300, HOST_BLOCKS)
+                    with anyio.fail_after(60):
+                        store = mgr.store(gpu, cpu)
+                        await store
+                    _check_host(mgr, layout, gpu, cpu)
+                    dest = _ids(300, BLOCKS)
+                    with anyio.fail_after(60):
+                        load = mgr.load(cpu, dest)
+                        await load
+                    for a, array in enumerate(layout.arrays):
+                        assert torch.equal(array[dest].cpu(), mgr.host_blocks()[cpu, a])
+                    assert (store.path, load.path) == ("pageable", "pageable")
+                    assert mgr.stats().chunks_pinned == 0
+                finally:
+                    release()
+        finally:
+            release()
 
 
 class TestStreamOrder:
