@@ -631,5 +631,6 @@ class CudaTransferEngine:
         for waiter in self._waiters.values():
             waiter.close()
         for lane in self._lanes.values():
+            lane.staging = None  # device memory back to torch's allocator at close
             for event in lane.events():
                 self._rt.destroy(event)

@@ -35,6 +35,12 @@ for step in $steps; do
     costs)
       timeout 300 python3 bench/submit_costs.py --only "${ONLY:-costs,streams,both}" --json-out "$OUT/submit_costs.json" 2>&1 \
         | tee "$OUT/costs.log" | tail -60 ;;
+    soak)
+      timeout 420 python3 bench/soak.py --seconds ${SOAK_S:-200} --json-out "$OUT/soak.json" 2>&1 \
+        | tee "$OUT/soak.log" | tail -30 ;;
+    doctor)
+      python3 -m asyncpin doctor 2>&1 | tee "$OUT/doctor.log"
+      python3 -m asyncpin doctor --json > "$OUT/doctor.json" 2>&1; echo "doctor --json rc=$?" ;;
     pinq)
       timeout 300 python3 bench/cuda_pinning.py --size 16GiB --configs 1 --repeats 3 \
         --json-out "$OUT/cuda_pinning_q.json" 2>&1 | tee "$OUT/pinq.log" | tail -14 ;;

@@ -360,6 +360,50 @@ def dma_streams(repeats: int) -> dict[str, Any]:
     return out
 
 
+async def pack_variants(repeats: int) -> dict[str, Any]:
+    """Both directions at once with pack at 32 KiB blocks (64 arrays, random ids),
+    varying the gather kernel's CTAs and the staging size."""
+    import asyncpin.cuda_transfers as ct
+    from asyncpin import KVLayout, OffloadManager
+
+    dev = torch.device("cuda", 0)
+    out: dict[str, Any] = {}
+    tensors = [torch.randn(2048, 8192, device=dev) for _ in range(64)]  # 32 KiB blocks
+    layout = KVLayout.from_tensors(tensors)
+    defaults = ct._PACK_CTAS, ct._STAGING_BYTES
+    try:
+        for ctas, staging in ((132, 256 << 20), (32, 256 << 20), (132, 1 << 30)):
+            ct._PACK_CTAS, ct._STAGING_BYTES = ctas, staging
+            async with OffloadManager.for_kv(layout, 2048, backend="cuda") as mgr:
+                await mgr.pinned
+
+                key = f"ctas {ctas} staging {staging >> 20} MiB"
+
+                async def both(key: str = key) -> float:
+                    g = torch.randperm(2048).tolist()
+                    c = torch.randperm(2048).tolist()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    s = mgr.store(g[:1024], c[:1024])
+                    ld = mgr.load(c[1024:], g[1024:])
+                    t1 = time.perf_counter()
+                    await s
+                    await ld
+                    out.setdefault(f"{key} submit ms", []).append((t1 - t0) * 1e3)
+                    return time.perf_counter() - t0
+
+                await both()
+                nbytes = 2048 * layout.host_block_bytes
+                out[f"{key} both GB/s"] = (
+                    nbytes / statistics.median([await both() for _ in range(repeats)]) / 1e9
+                )
+    finally:
+        ct._PACK_CTAS, ct._STAGING_BYTES = defaults
+    for key in [k for k in out if k.endswith("submit ms")]:
+        out[key] = statistics.median(out[key])
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json-out", default=None)
@@ -374,6 +418,8 @@ def main() -> None:
     }
     if "streams" in args.only:
         report["streams"] = dma_streams(5)
+    if "variants" in args.only:
+        report["variants"] = anyio.run(pack_variants, 5)
     if "both" in args.only:
         report["both"] = anyio.run(both_directions, 5)
     if args.json_out:
