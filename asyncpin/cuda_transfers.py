@@ -458,23 +458,19 @@ class CudaTransferEngine:
         )
         return self._join(lane)
 
-    def _launch(
-        self,
-        gpu_ids: list[int],
-        slots: list[int],
-        host_base: int,
-        *,
-        to_host: bool,
-        ctas: int,
-        keep: list[Any],
-    ) -> None:
-        """The copy kernel on the current torch stream: block ``gpu_ids[i]`` of every
-        array to or from slot ``slots[i]`` of a block-major buffer at ``host_base``."""
+    def _ids_on_device(self, first: list[int], second: torch.Tensor | list[int]) -> torch.Tensor:
+        """``[2, n]`` int64 ids on the device, copied on the current torch stream."""
+        ids = torch.empty((2, len(first)), dtype=torch.int64).pin_memory()
+        ids[0] = torch.tensor(first, dtype=torch.int64)
+        ids[1] = torch.as_tensor(second, dtype=torch.int64)
+        return ids.to(self._device, non_blocking=True)
+
+    def _launch(self, ids: torch.Tensor, host_base: int, *, to_host: bool, ctas: int) -> None:
+        """The copy kernel on the current torch stream: block ``ids[0, i]`` of every array
+        to or from slot ``ids[1, i]`` of a block-major buffer at ``host_base``."""
         layout = self._layout
         assert self._kernel is not None
-        ids = torch.tensor([gpu_ids, slots], dtype=torch.int64).pin_memory()
-        ids = ids.to(self._device, non_blocking=True)
-        n_segments = len(gpu_ids) * layout.num_arrays
+        n_segments = ids.shape[1] * layout.num_arrays
         self._kernel[(min(ctas, n_segments),)](
             ids[0],
             ids[1],
@@ -487,25 +483,22 @@ class CudaTransferEngine:
             TO_HOST=to_host,
             BLOCK=512,
         )
-        keep.append(ids)
 
     def _uva_kernel(self, job: TransferJob, lane: _Lane) -> torch.cuda.Stream:
         direction = job.transfer.direction
         self._start(lane.kernel, job, lane)
         with torch.cuda.stream(lane.kernel):
+            ids = self._ids_on_device(job.gpu_ids, job.cpu_ids)
+            job.keep.append(ids)
             self._launch(
-                job.gpu_ids,
-                job.cpu_ids,
-                self._host_base,
-                to_host=direction == "store",
-                ctas=KERNEL_CTAS[direction],
-                keep=job.keep,
+                ids, self._host_base, to_host=direction == "store", ctas=KERNEL_CTAS[direction]
             )
         return lane.kernel
 
     def _pack(self, job: TransferJob, lane: _Lane) -> torch.cuda.Stream:
         """Pieces of the job go through the two staging halves in turn, so the kernel
-        fills (store) or drains (load) one half while DMAs move the other."""
+        fills (store) or drains (load) one half while DMAs move the other. Every piece's
+        addresses are computed up front, in a few vectorised ops for the whole job."""
         layout, rt = self._layout, self._rt
         store = job.transfer.direction == "store"
         if lane.staging is None:
@@ -514,62 +507,77 @@ class CudaTransferEngine:
                 (2, per_half * layout.host_block_bytes), dtype=torch.uint8, device=self._device
             )
         per_piece = lane.staging.shape[1] // layout.host_block_bytes
+        n = job.transfer.num_blocks
+        pieces = -(-n // per_piece)
+        halves = [(lane.half + p) % 2 for p in range(pieces)]
+        lane.half = (lane.half + pieces) % 2
+        plan = self._pack_plan(job.cpu_ids, per_piece, [lane.staging[h].data_ptr() for h in halves])
+        job.keep += plan[0]
         kernel, dma = lane.kernel, lane.dma
         self._start(kernel, job, lane)
         with torch.cuda.stream(kernel):
-            for start in range(0, job.transfer.num_blocks, per_piece):
-                gpu_ids = job.gpu_ids[start : start + per_piece]
-                cpu_ids = job.cpu_ids[start : start + per_piece]
-                half = lane.half
-                lane.half ^= 1
+            ids = self._ids_on_device(job.gpu_ids, torch.arange(n) % per_piece)
+            job.keep.append(ids)
+            for p, half in enumerate(halves):
+                piece_ids = ids[:, p * per_piece : (p + 1) * per_piece]
                 staging = lane.staging[half].data_ptr()
-                slots = list(range(len(gpu_ids)))
+                ranges = plan[1][p]
                 if store:
                     rt.wait(kernel.cuda_stream, lane.free[half])
-                    self._launch(
-                        gpu_ids, slots, staging, to_host=True, ctas=_PACK_CTAS, keep=job.keep
-                    )
+                    self._launch(piece_ids, staging, to_host=True, ctas=_PACK_CTAS)
                     rt.record(lane.step, kernel.cuda_stream)
-                    for stream in dma:
+                    for stream, (host, local, sizes) in zip(dma, ranges, strict=True):
                         rt.wait(stream.cuda_stream, lane.step)
-                    self._dma_runs(cpu_ids, staging, to_host=True, streams=dma, keep=job.keep)
+                        rt.copy_segments(host, local, sizes, stream.cuda_stream)
                     # The half is free once both DMA streams have read it.
                     rt.record(lane.moved[1], dma[1].cuda_stream)
                     rt.wait(dma[0].cuda_stream, lane.moved[1])
                     rt.record(lane.free[half], dma[0].cuda_stream)
                 else:
-                    for stream in dma:
+                    for stream, (host, local, sizes) in zip(dma, ranges, strict=True):
                         rt.wait(stream.cuda_stream, lane.free[half])
-                    self._dma_runs(cpu_ids, staging, to_host=False, streams=dma, keep=job.keep)
+                        rt.copy_segments(local, host, sizes, stream.cuda_stream)
                     for stream, moved in zip(dma, lane.moved, strict=True):
                         rt.record(moved, stream.cuda_stream)
                         rt.wait(kernel.cuda_stream, moved)
-                    self._launch(
-                        gpu_ids, slots, staging, to_host=False, ctas=_PACK_CTAS, keep=job.keep
-                    )
+                    self._launch(piece_ids, staging, to_host=False, ctas=_PACK_CTAS)
                     rt.record(lane.free[half], kernel.cuda_stream)
         return self._join(lane) if store else kernel
 
-    def _dma_runs(
-        self,
-        cpu_ids: list[int],
-        staging: int,
-        *,
-        to_host: bool,
-        streams: Sequence[torch.cuda.Stream],
-        keep: list[Any],
-    ) -> None:
-        """One DMA per run of consecutive host blocks between staging and the region."""
+    def _pack_plan(
+        self, cpu_ids: list[int], per_piece: int, staging: list[int]
+    ) -> tuple[list[torch.Tensor], list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]]:
+        """The DMAs of a pack job: one per run of consecutive host blocks within a piece,
+        cut at registration boundaries, dealt alternately to the two DMA streams. Returns
+        the tensors to keep alive and, per piece and stream, (host, staging, sizes)."""
         size = self._layout.host_block_bytes
         ids = torch.tensor(cpu_ids, dtype=torch.int64)
         n = len(cpu_ids)
+        piece = torch.arange(n) // per_piece
         breaks = torch.ones(n, dtype=torch.bool)
-        breaks[1:] = ids[1:] != ids[:-1] + 1
+        breaks[1:] = (ids[1:] != ids[:-1] + 1) | (piece[1:] != piece[:-1])
         starts = torch.nonzero(breaks).reshape(-1)
         lengths = torch.diff(torch.cat([starts, torch.tensor([n])]))
+        tag = piece[starts]
         host = self._host_base + ids[starts] * size
-        local = staging + starts * size
-        keep += self.copy_host(host, local, lengths * size, to_host=to_host, streams=streams)
+        local = torch.tensor(staging, dtype=torch.int64)[tag] + (starts % per_piece) * size
+        host, local, sizes, tag = self._split_at_chunks(host, local, lengths * size, tag)
+        # Order by (piece, stream): each piece's ranges for one stream are then one slice.
+        rank = torch.arange(len(tag)) - torch.searchsorted(tag, tag)  # tag is sorted
+        key = tag * 2 + rank % 2
+        order = torch.argsort(key, stable=True)
+        host, local, sizes = host[order], local[order], sizes[order]
+        counts = torch.bincount(key, minlength=2 * len(staging)).tolist()
+        plan, offset = [], 0
+        for p in range(len(staging)):
+            per_stream = []
+            for k in range(2):
+                count = counts[2 * p + k]
+                cut = slice(offset, offset + count)
+                per_stream.append((host[cut], local[cut], sizes[cut]))
+                offset += count
+            plan.append(per_stream)
+        return [host, local, sizes], plan
 
     def copy_host(
         self,
@@ -584,7 +592,7 @@ class CudaTransferEngine:
         ``streams``; returns the address tensors to keep alive. A DMA must not span two
         registrations (the driver answers cudaErrorInvalidValue), so ranges are cut at
         chunk boundaries."""
-        host, device, sizes = self._split_at_chunks(host, device, sizes)
+        host, device, sizes, _ = self._split_at_chunks(host, device, sizes)
         k, keep = len(streams), []
         for i, stream in enumerate(streams):
             h, d, z = (t[i::k].contiguous() for t in (host, device, sizes))
@@ -610,21 +618,40 @@ class CudaTransferEngine:
         return [p for h, o, z in zip(host, other, sizes, strict=True) for p in self._cut(h, o, z)]
 
     def _split_at_chunks(
-        self, host: torch.Tensor, other: torch.Tensor, sizes: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self,
+        host: torch.Tensor,
+        other: torch.Tensor,
+        sizes: torch.Tensor,
+        tag: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Ranges cut at chunk boundaries; ``tag`` (a non-decreasing label per range,
+        zeros if None) follows each range into its parts and stays non-decreasing."""
+        if tag is None:
+            tag = torch.zeros_like(host)
         base, chunk = self._host_base, self._chunk_bytes
         crosses = (host - base) // chunk != (host + sizes - 1 - base) // chunk
         if not bool(crosses.any()):
-            return host, other, sizes
-        extra = torch.tensor(
-            self._cut_all(host[crosses].tolist(), other[crosses].tolist(), sizes[crosses].tolist()),
-            dtype=torch.int64,
-        )
+            return host, other, sizes, tag
+        parts = [
+            (*part, t)
+            for h, o, z, t in zip(
+                host[crosses].tolist(),
+                other[crosses].tolist(),
+                sizes[crosses].tolist(),
+                tag[crosses].tolist(),
+                strict=True,
+            )
+            for part in self._cut(h, o, z)
+        ]
+        extra = torch.tensor(parts, dtype=torch.int64)
         keep = ~crosses
+        tag = torch.cat([tag[keep], extra[:, 3]])
+        order = torch.argsort(tag, stable=True)
         return (
-            torch.cat([host[keep], extra[:, 0]]),
-            torch.cat([other[keep], extra[:, 1]]),
-            torch.cat([sizes[keep], extra[:, 2]]),
+            torch.cat([host[keep], extra[:, 0]])[order],
+            torch.cat([other[keep], extra[:, 1]])[order],
+            torch.cat([sizes[keep], extra[:, 2]])[order],
+            tag[order],
         )
 
     def close(self) -> None:

@@ -47,6 +47,7 @@ class _PointerAttributes(ctypes.Structure):
         ("device", ctypes.c_int),
         ("devicePointer", ctypes.c_void_p),
         ("hostPointer", ctypes.c_void_p),
+        ("reserved", ctypes.c_byte * 256),  # room for fields newer runtimes add
     ]
 
 
