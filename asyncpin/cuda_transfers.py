@@ -657,7 +657,10 @@ class CudaTransferEngine:
     def close(self) -> None:
         for waiter in self._waiters.values():
             waiter.close()
+        # Device memory back to torch's allocator at close, not when the manager object
+        # is collected.
+        self._ptrs = self._strides = torch.empty(0, dtype=torch.int64)
         for lane in self._lanes.values():
-            lane.staging = None  # device memory back to torch's allocator at close
+            lane.staging = None
             for event in lane.events():
                 self._rt.destroy(event)

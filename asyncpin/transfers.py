@@ -91,7 +91,8 @@ class Transfer(Outcome):
         t_done = time.perf_counter()
         if self._settle(error):
             self.t_done = t_done
-            for callback in self._callbacks:
+            callbacks, self._callbacks = self._callbacks, []  # a kept handle keeps nothing else
+            for callback in callbacks:
                 callback(self)
 
     def __repr__(self) -> str:
