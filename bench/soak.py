@@ -211,20 +211,15 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     handle = install_capture_gate()
     t0 = time.perf_counter()
     try:
-        index, after_warm_up, rss_by_cycle = 0, {}, []
+        index, after_warm_up = 0, {}
         while time.perf_counter() - t0 < args.seconds:
             await soak.cycle(index)
             if index == 0:
                 after_warm_up = usage()
-            rss_by_cycle.append(usage()["rss"])
             index += 1
     finally:
         handle.uninstall()
     end = usage()
-    # Is RSS growth held memory or allocator slack? Give free heap pages back and look.
-    gc.collect()
-    ctypes.CDLL(None).malloc_trim(0)
-    end_trimmed = usage()
     return {
         "seconds": time.perf_counter() - t0,
         "counts": dict(soak.counts),
@@ -232,8 +227,6 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "start": start,
         "after_first_cycle": after_warm_up,
         "end": end,
-        "end_after_malloc_trim": end_trimmed,
-        "rss_by_cycle": rss_by_cycle,
     }
 
 
@@ -253,7 +246,4 @@ if __name__ == "__main__":
         print(f"  {key:40} {c[key]}")
     print(f"  start {report['start']}\n  after cycle 0 {report['after_first_cycle']}")
     print(f"  end   {report['end']}")
-    print(f"  end after malloc_trim {report['end_after_malloc_trim']}")
-    rss = report["rss_by_cycle"]
-    print(f"  RSS MB by cycle (every 10th): {[r >> 20 for r in rss[::10]]}")
     print(f"errors ({len(report['errors'])}): {report['errors'][:10]}")
