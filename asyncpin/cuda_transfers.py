@@ -34,16 +34,14 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Union
 
-import anyio
 import anyio.from_thread
 import anyio.lowlevel
-import anyio.to_thread
 import torch
 
 from asyncpin.cuda import _cudart
 from asyncpin.errors import BackendUnavailableError, TransferError
 from asyncpin.kv import KVLayout
-from asyncpin.transfers import Direction, TransferJob, settle_interrupted
+from asyncpin.transfers import Direction, TransferJob, copy_in_thread
 
 __all__ = ["CudaTransferEngine", "batch_copy_available"]
 
@@ -309,7 +307,9 @@ class CudaTransferEngine:
             # Copies from pageable memory make the host wait: off the event loop.
             if job.ready is None:
                 job.ready = self.record_ready()
-            self._start_soon(self._submit_in_thread, job)
+            self._start_soon(
+                copy_in_thread, job, self._copy_pageable, "from pageable memory failed"
+            )
         else:
             self._enqueue(job, method)
 
@@ -382,21 +382,6 @@ class CudaTransferEngine:
         job.keep.clear()
 
     # -- pageable jobs, in a worker thread ------------------------------------------------
-
-    async def _submit_in_thread(self, job: TransferJob) -> None:
-        try:
-            await anyio.to_thread.run_sync(self._copy_pageable, job)
-        except Exception as exc:
-            error = TransferError(f"{job.transfer.direction} from pageable memory failed: {exc}")
-            error.__cause__ = exc
-            job.transfer._finish(error)
-        except BaseException as exc:
-            settle_interrupted(job.transfer, exc)
-            raise
-        else:
-            job.transfer._finish()
-        finally:
-            job.keep.clear()
 
     def _copy_pageable(self, job: TransferJob) -> None:
         """Copy and wait, in this worker thread: the host waits for pageable copies

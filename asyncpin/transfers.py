@@ -36,6 +36,7 @@ __all__ = [
     "TransferEngine",
     "TransferJob",
     "block_ids",
+    "copy_in_thread",
     "host_blocks_view",
     "settle_interrupted",
 ]
@@ -140,6 +141,31 @@ def settle_interrupted(transfer: Transfer, exc: BaseException) -> None:
     transfer._finish(error)
 
 
+async def copy_in_thread(
+    job: TransferJob,
+    copy: Callable[[TransferJob], None],
+    failed: str,
+    *,
+    limiter: anyio.CapacityLimiter | None = None,
+) -> None:
+    """Run ``copy(job)`` in a worker thread, which returns once the copy is over, and
+    settle the transfer: done; failed (the error through the handle, never lost); or
+    interrupted, when the driving task is cancelled because the manager is closing."""
+    try:
+        await anyio.to_thread.run_sync(copy, job, limiter=limiter)
+    except Exception as exc:
+        error = TransferError(f"{job.transfer.direction} {failed}: {exc}")
+        error.__cause__ = exc
+        job.transfer._finish(error)
+    except BaseException as exc:
+        settle_interrupted(job.transfer, exc)
+        raise
+    else:
+        job.transfer._finish()
+    finally:
+        job.keep.clear()
+
+
 def host_blocks_view(
     region_view: torch.Tensor, layout: KVLayout, num_host_blocks: int
 ) -> torch.Tensor:
@@ -208,17 +234,7 @@ class HostTransferEngine:
         self._start_soon(self._run, job)
 
     async def _run(self, job: TransferJob) -> None:
-        try:
-            await anyio.to_thread.run_sync(self._copy, job, limiter=self._limiter)
-        except Exception as exc:  # reported through the handle, never lost
-            error = TransferError(f"{job.transfer.direction} failed: {exc}")
-            error.__cause__ = exc
-            job.transfer._finish(error)
-        except BaseException as exc:
-            settle_interrupted(job.transfer, exc)
-            raise
-        else:
-            job.transfer._finish()
+        await copy_in_thread(job, self._copy, "failed", limiter=self._limiter)
 
     def _copy(self, job: TransferJob) -> None:
         host = self._host
