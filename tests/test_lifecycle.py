@@ -17,8 +17,7 @@ import dataclasses
 import sys
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator, MutableMapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, MutableMapping, Sequence
 from typing import Any
 
 import anyio
@@ -37,6 +36,7 @@ from asyncpin import (
     _sys,
 )
 from asyncpin.testing import FakeBackend, is_mapped
+from tests.helpers import releasing, wait_thread_event
 
 CHUNK = 64 << 10
 NCHUNKS = 16
@@ -56,22 +56,6 @@ def make(backend: str | PinBackend) -> OffloadManager:
 
 def span(address: int, index: int) -> tuple[int, int]:
     return address + index * CHUNK, CHUNK
-
-
-async def wait_thread_event(event: threading.Event) -> None:
-    """Wait for an event that a worker thread sets, without blocking the event loop."""
-    assert await anyio.to_thread.run_sync(event.wait, TIMEOUT_S), "thread event never set"
-
-
-@contextmanager
-def releasing(*backends: FakeBackend) -> Iterator[None]:
-    """Release stalled pin calls however the block ends: a failed check must not leave a
-    shielded close waiting for a pin that never returns."""
-    try:
-        yield
-    finally:
-        for backend in backends:
-            backend.release()
 
 
 def assert_closed_cleanly(

@@ -17,8 +17,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple
 
 import anyio
 import anyio.to_thread
@@ -41,6 +40,7 @@ from asyncpin import (
 )
 from asyncpin.testing import FakeBackend, is_mapped
 from asyncpin.transfers import HostTransferEngine, TransferJob
+from tests.helpers import releasing, wait_thread_event
 
 TIMEOUT_S = 30.0
 PAGE = _sys.PAGE_SIZE
@@ -222,26 +222,6 @@ def transfer_counters(stats: ManagerStats) -> tuple[int, ...]:
         stats.transfers_failed,
         stats.transfers_in_flight,
     )
-
-
-async def wait_thread_event(event: threading.Event) -> None:
-    """Wait for an event that a worker thread sets, without blocking the event loop."""
-    assert await anyio.to_thread.run_sync(event.wait, TIMEOUT_S), "thread event never set"
-
-
-class Releasable(Protocol):
-    def release(self) -> None: ...
-
-
-@contextmanager
-def releasing(*holds: Releasable) -> Iterator[None]:
-    """Release held pins and copies however the block ends: a failed check must not leave a
-    shielded close waiting for a call that never returns."""
-    try:
-        yield
-    finally:
-        for hold in holds:
-            hold.release()
 
 
 class CopyGate:

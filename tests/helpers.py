@@ -1,0 +1,34 @@
+"""Helpers shared by the test modules."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Protocol
+
+import anyio
+import anyio.to_thread
+
+THREAD_TIMEOUT_S = 30.0
+
+
+async def wait_thread_event(event: threading.Event) -> None:
+    """Wait for an event that a worker thread sets, without blocking the event loop."""
+    done = await anyio.to_thread.run_sync(event.wait, THREAD_TIMEOUT_S)
+    assert done, "thread event never set"
+
+
+class Releasable(Protocol):
+    def release(self) -> None: ...
+
+
+@contextmanager
+def releasing(*holds: Releasable) -> Iterator[None]:
+    """Release held pins and copies however the block ends: a failed check must not leave a
+    shielded close waiting for a call that never returns."""
+    try:
+        yield
+    finally:
+        for hold in holds:
+            hold.release()
