@@ -1,10 +1,12 @@
 """CUDA transfer engine: KV blocks between device arrays and the pinned host region.
 
 Each direction (store, load) has a lane of its own streams, so both directions run at
-once: a kernel stream, where copy kernels run and where a job ends, and two DMA streams
-that share the job's DMAs (two streams keep the bus busy between DMAs: on the H200, 2 MiB
+once: a kernel stream, where copy kernels run, and two DMA streams that share a large
+job's DMAs (two streams keep the bus busy between DMAs: on the H200, 2 MiB
 DMAs both ways reach 95 GB/s on two streams per direction and 89 on one; see
-bench/RESULTS.md). Jobs of one direction run in submission order. Methods:
+bench/RESULTS.md). Jobs of one direction queued at once (their host blocks pinned) run in
+submission order; a job that waited for pinning is queued when its chunks are pinned, and
+pageable jobs have a stream of their own. Methods:
 
 - ``batch``: one DMA per (block, array) segment, issued with one
   ``cudaMemcpyBatchAsync`` call per stream where the runtime has it (CUDA >= 12.8; its
@@ -186,7 +188,7 @@ def _loop_caller() -> Callable[..., None]:
 
 
 class _Waiter:
-    """One thread per stream: waits for each transfer's event in order, then reports."""
+    """One thread per direction: waits for each transfer's event in order, then reports."""
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[tuple[Any, Callable[[BaseException | None], None]] | None]
@@ -322,9 +324,10 @@ class CudaTransferEngine:
 
     def _enqueue(self, job: TransferJob, method: str) -> None:
         """Queue the copy and its completion event. Once a stream has work of this job,
-        a failure no longer raises: it is reported through the handle only after the
-        job's streams have drained, so no buffer is released while a copy may still
-        touch it."""
+        a failure is reported through the handle only after the job's streams have
+        drained, so no buffer is released while a copy may still touch it. (It raises
+        only when not even the completion event can be queued; it then waits for the
+        lane's streams first.)"""
         direction = job.transfer.direction
         lane, rt = self._lanes[direction], self._rt
         with self._on_device():
@@ -342,11 +345,21 @@ class CudaTransferEngine:
                 else:
                     tail = self._pack(job, lane)
             except Exception as exc:
-                failure = exc
-                tail = self._join(lane)  # whatever was queued, on any of the lane's streams
-            done = torch.cuda.Event(blocking=True)
-            done.record(tail)
-            rt.record(lane.last, tail.cuda_stream)
+                failure, tail = exc, None
+            try:
+                if tail is None:
+                    tail = self._join(lane)  # whatever was queued, on any lane stream
+                done = torch.cuda.Event(blocking=True)
+                done.record(tail)
+                rt.record(lane.last, tail.cuda_stream)
+            except Exception:
+                # The device refuses even to order work (a sticky error): wait here for
+                # everything the lane has queued, so that the failure, reported by the
+                # caller, releases nothing a copy may still touch.
+                for stream in (lane.kernel, *lane.dma):
+                    with contextlib.suppress(Exception):
+                        stream.synchronize()
+                raise
         job.transfer.event = done
         # A blocking-sync event: the waiter thread sleeps until the copy is done, and a
         # device error surfaces there as an exception. (cudaLaunchHostFunc was measured as
@@ -437,7 +450,8 @@ class CudaTransferEngine:
             return stream
         # Many small segments make the batched call itself slow (about 0.8 us each), and
         # the driver starts copying while it is still in it: a second stream would only
-        # start after the first call returns. Large segments use both DMA streams.
+        # start after the first call returns. Large segments use both DMA streams (up to
+        # 64 segments, whatever their size, take the one-stream small path above).
         streams = lane.dma if size >= _BATCH_MIN_BLOCK_BYTES else lane.dma[:1]
         for stream in streams:
             self._start(stream, job, lane)
@@ -449,7 +463,7 @@ class CudaTransferEngine:
 
     def _ids_on_device(self, first: list[int], second: torch.Tensor | list[int]) -> torch.Tensor:
         """``[2, n]`` int64 ids on the device, copied on the current torch stream."""
-        ids = torch.empty((2, len(first)), dtype=torch.int64).pin_memory()
+        ids = torch.empty((2, len(first)), dtype=torch.int64, pin_memory=True)
         ids[0] = torch.tensor(first, dtype=torch.int64)
         ids[1] = torch.as_tensor(second, dtype=torch.int64)
         return ids.to(self._device, non_blocking=True)
@@ -490,11 +504,19 @@ class CudaTransferEngine:
         addresses are computed up front, in a few vectorised ops for the whole job."""
         layout, rt = self._layout, self._rt
         store = job.transfer.direction == "store"
+        kernel, dma = lane.kernel, lane.dma
+        self._start(kernel, job, lane)
         if lane.staging is None:
+            # Allocated on the kernel stream, which the DMA streams then wait for: torch's
+            # allocator may hand out memory whose last user is still queued on the stream
+            # the allocation is made on, so it must be a stream this lane orders after.
             per_half = max(_STAGING_BYTES // 2 // layout.host_block_bytes, 1)
-            lane.staging = torch.empty(
-                (2, per_half * layout.host_block_bytes), dtype=torch.uint8, device=self._device
-            )
+            with torch.cuda.stream(kernel):
+                lane.staging = torch.empty(
+                    (2, per_half * layout.host_block_bytes), dtype=torch.uint8, device=self._device
+                )
+            for free in lane.free:
+                rt.record(free, kernel.cuda_stream)
         per_piece = lane.staging.shape[1] // layout.host_block_bytes
         n = job.transfer.num_blocks
         pieces = -(-n // per_piece)
@@ -502,8 +524,6 @@ class CudaTransferEngine:
         lane.half = (lane.half + pieces) % 2
         plan = self._pack_plan(job.cpu_ids, per_piece, [lane.staging[h].data_ptr() for h in halves])
         job.keep += plan[0]
-        kernel, dma = lane.kernel, lane.dma
-        self._start(kernel, job, lane)
         with torch.cuda.stream(kernel):
             ids = self._ids_on_device(job.gpu_ids, torch.arange(n) % per_piece)
             job.keep.append(ids)

@@ -6,7 +6,7 @@ of the manager's backend:
 - ``HostTransferEngine`` (no GPU): the "device" arrays are CPU tensors; copies run in a
   worker thread. It exists so that every test of the API runs without a GPU.
 - ``asyncpin.cuda_transfers.CudaTransferEngine``: dedicated store and load streams, copy
-  methods chosen per transfer, completion reported by one waiter thread per stream.
+  methods chosen per transfer, completion reported by one waiter thread per direction.
 
 The awaiting coroutine learns of completion through an ``anyio.Event`` set on the event
 loop; cancelling the awaiting task only stops the waiting: the copy, and every buffer it
@@ -53,7 +53,8 @@ class Transfer(Outcome):
     manager closed under it). For a load on CUDA, ``event`` is a ``torch.cuda.Event``
     recorded after the copy: ``torch.cuda.current_stream().wait_event(transfer.event)``
     orders later compute after it without blocking. It is None until the copy is queued
-    (immediately when the host blocks are pinned; later for a transfer that waits).
+    (immediately when the host blocks are pinned; later for a transfer that waits for
+    pinning or copies through pageable memory).
     """
 
     __slots__ = (
