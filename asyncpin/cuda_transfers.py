@@ -290,12 +290,15 @@ class CudaTransferEngine:
         event.record(torch.cuda.current_stream(self._device))
         return event
 
+    def _is_small(self, job: TransferJob) -> bool:
+        return job.transfer.num_blocks * self._layout.num_arrays <= _SMALL_SEGMENTS
+
     def _choose(self, job: TransferJob, pageable: bool) -> str:
         if pageable or self._kernel is None:
             return "batch"
         if job.method != "auto":
             return job.method
-        if job.transfer.num_blocks * self._layout.num_arrays <= _SMALL_SEGMENTS:
+        if self._is_small(job):
             return "batch"
         return "batch" if self._layout.block_bytes >= _BATCH_MIN_BLOCK_BYTES else "pack"
 
@@ -433,7 +436,7 @@ class CudaTransferEngine:
     def _batch(self, job: TransferJob, lane: _Lane) -> torch.cuda.Stream:
         to_host = job.transfer.direction == "store"
         size = self._layout.block_bytes
-        if job.transfer.num_blocks * self._layout.num_arrays <= _SMALL_SEGMENTS:
+        if self._is_small(job):
             stream = lane.dma[0]
             self._start(stream, job, lane)
             device = [p + g * stride for g in job.gpu_ids for p, stride in self._arrays]
