@@ -33,7 +33,7 @@ for step in $steps; do
       timeout 120 python3 bench/submit_profile.py 2>&1 | tee "$OUT/profile.log" \
         | grep -E "submit p50|tottime|^ +[0-9]+ +[0-9.]+ +[0-9.]+" | head -40 ;;
     costs)
-      timeout 300 python3 bench/submit_costs.py --only "${ONLY:-costs,streams,both}" --json-out "$OUT/submit_costs.json" 2>&1 \
+      timeout 300 python3 bench/submit_costs.py --only "${COSTS_ONLY:-costs,streams,both}" --json-out "$OUT/submit_costs.json" 2>&1 \
         | tee "$OUT/costs.log" | tail -60 ;;
     soak)
       timeout 420 python3 bench/soak.py --seconds ${SOAK_S:-200} --json-out "$OUT/soak.json" 2>&1 \

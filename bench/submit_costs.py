@@ -404,6 +404,213 @@ async def pack_variants(repeats: int) -> dict[str, Any]:
     return out
 
 
+def memory_kinds(repeats: int) -> dict[str, Any]:
+    """Does the kind of pinned host memory set the DMA speed? 1 GiB each way, contiguous
+    and as 512 random 2 MiB DMAs over two streams per direction, into host memory from
+    cudaHostAlloc (torch) and from mmap + cudaHostRegister with huge or 4 KiB pages."""
+    import mmap
+
+    from asyncpin import _sys
+    from asyncpin.cuda import CudaBackend
+
+    GB, n, seg = 1e9, 1 << 30, 2 << 20
+    rt = _Runtime()
+    backend = CudaBackend(0)
+    dev = torch.device("cuda", 0)
+    d_src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev)
+    d_dst = torch.empty(n, dtype=torch.uint8, device=dev)
+    streams = [torch.cuda.Stream(dev) for _ in range(4)]
+    out: dict[str, Any] = {}
+
+    def mapped(advice: int | None, extra_flags: int = 0) -> tuple[int, Callable[[], None]]:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | extra_flags
+        addr = _sys.libc_mmap(2 * n, mmap.PROT_READ | mmap.PROT_WRITE, flags)
+        if advice is not None:
+            _sys.libc_madvise(addr, 2 * n, advice)
+        _sys.libc_madvise(addr, 2 * n, _sys.MADV_POPULATE_WRITE)
+        return addr, lambda: _sys.libc_munmap(addr, 2 * n)
+
+    def reserve_hugetlb() -> Callable[[], None]:
+        """Reserve 2 GiB of 2 MiB pages if this process may (root), for the hugetlb row."""
+        knob = Path("/proc/sys/vm/nr_hugepages")
+        try:
+            before = knob.read_text()
+            knob.write_text(str(int(before) + (2 * n >> 21)))
+        except OSError:
+            return lambda: None
+
+        def restore() -> None:
+            knob.write_text(before)
+
+        return restore
+
+    def kinds() -> Any:
+        t = torch.empty(2 * n, dtype=torch.uint8).pin_memory()
+        yield "cudaHostAlloc (torch pin_memory)", t.data_ptr(), lambda: None
+        del t
+        for name, advice, extra, chunk in (
+            ("mmap THP, one registration", _sys.MADV_HUGEPAGE, 0, 2 * n),
+            ("mmap THP, 16 MiB registrations", _sys.MADV_HUGEPAGE, 0, 16 << 20),
+            ("mmap 4 KiB pages, one registration", 15, 0, 2 * n),  # MADV_NOHUGEPAGE
+            ("mmap hugetlb, one registration", None, 0x40000, 2 * n),  # MAP_HUGETLB
+        ):
+            try:
+                addr, unmap = mapped(advice, extra)
+            except OSError as exc:
+                out[f"{name}: skipped"] = str(exc)
+                continue
+            spans = [(a, min(chunk, 2 * n - (a - addr))) for a in range(addr, addr + 2 * n, chunk)]
+            for a, z in spans:
+                backend.pin(a, z)
+
+            def release(spans: Any = spans, unmap: Any = unmap) -> None:
+                for a, _ in spans:
+                    backend.unpin(a, 0)
+                unmap()
+
+            yield name, addr, release
+
+    def timed(fn: Callable[[], Any]) -> float:
+        fn()
+        samples = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    perm = torch.randperm(n // seg)
+    host_off = (perm * seg).tolist()
+    dev_off = [i * seg for i in range(n // seg)]
+    sizes = array.array("Q", [seg] * (n // seg // 2))
+
+    def one(dst: int, src: int, stream: torch.cuda.Stream, size: int = n) -> None:
+        q = array.array
+        rt.copy_segments(q("Q", [dst]), q("Q", [src]), q("Q", [size]), stream.cuda_stream)
+
+    def scattered(h_dst: int, h_src: int, both: bool) -> None:
+        for k in (0, 1):
+            hs = array.array("Q", [h_dst + o for o in host_off[k::2]])
+            ds = array.array("Q", [d_src.data_ptr() + o for o in dev_off[k::2]])
+            rt.copy_segments(hs, ds, sizes, streams[k].cuda_stream)
+            if both:
+                hs = array.array("Q", [h_src + o for o in host_off[k::2]])
+                ds = array.array("Q", [d_dst.data_ptr() + o for o in dev_off[k::2]])
+                rt.copy_segments(ds, hs, sizes, streams[2 + k].cuda_stream)
+
+    def measure(name: str, h_dst: int, h_src: int) -> None:
+        def d2h() -> None:
+            one(h_dst, d_src.data_ptr(), streams[0])
+
+        def h2d() -> None:
+            one(d_dst.data_ptr(), h_src, streams[2])
+
+        out[f"{name}: contiguous D2H GB/s"] = n / timed(d2h) / GB
+        out[f"{name}: contiguous H2D GB/s"] = n / timed(h2d) / GB
+        out[f"{name}: contiguous both GB/s"] = 2 * n / timed(lambda: [f() for f in (d2h, h2d)]) / GB
+        out[f"{name}: 2 MiB DMAs D2H GB/s"] = n / timed(lambda: scattered(h_dst, h_src, False)) / GB
+        out[f"{name}: 2 MiB DMAs both GB/s"] = (
+            2 * n / timed(lambda: scattered(h_dst, h_src, True)) / GB
+        )
+
+    unreserve = reserve_hugetlb()
+    try:
+        for name, base, release in kinds():
+            try:
+                measure(name, base, base + n)
+            finally:
+                torch.cuda.synchronize()
+                release()
+    finally:
+        unreserve()
+    return out
+
+
+def wake_hops(samples: int) -> dict[str, Any]:
+    """The two hand-offs between a finished copy and a resumed coroutine, apart and
+    together, with the loop thread and the waiter thread free, or both on one CPU (the
+    CPU taking the GPU's interrupts, and another one)."""
+    import os
+    import queue
+
+    out: dict[str, Any] = {}
+    dev = torch.device("cuda", 0)
+    stream = torch.cuda.Stream(dev)
+    src = torch.randn(8192, device=dev)
+    host = torch.empty(8192).pin_memory()
+    irq_cpu = None
+    try:
+        for line in Path("/proc/interrupts").read_text().splitlines():
+            if "nvidia" in line:
+                counts = [
+                    int(x) for x in line.split()[1 : 1 + (os.cpu_count() or 1)] if x.isdigit()
+                ]
+                irq_cpu = max(range(len(counts)), key=counts.__getitem__)
+                out["nvidia irq line"] = " ".join(line.split())[:200]
+    except OSError:
+        pass
+    every = os.sched_getaffinity(0)
+
+    def pct(xs: list[float]) -> dict[str, float]:
+        xs = sorted(xs)
+        return {"p50_us": xs[len(xs) // 2] * 1e6, "p99_us": xs[int(len(xs) * 0.99)] * 1e6}
+
+    async def run(cpus: set[int] | None, gpu: bool) -> tuple[list[float], list[float]]:
+        loop = asyncio.get_running_loop()
+        jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        wake: list[float] = []
+
+        def waiter() -> None:
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
+            while (item := jobs.get()) is not None:
+                ev, fut, t0 = item
+                if ev is not None:
+                    ev.synchronize()
+                wake.append(time.perf_counter() - t0)
+                loop.call_soon_threadsafe(fut.set_result, None)
+
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        th = threading.Thread(target=waiter)
+        th.start()
+        resume = []
+        try:
+            for _ in range(samples):
+                fut = loop.create_future()
+                t0 = time.perf_counter()
+                ev = None
+                if gpu:
+                    with torch.cuda.stream(stream):
+                        host.copy_(src, non_blocking=True)
+                    ev = torch.cuda.Event(blocking=True)
+                    ev.record(stream)
+                jobs.put((ev, fut, t0))
+                await fut
+                resume.append(time.perf_counter() - t0)
+                await asyncio.sleep(0.0002)  # let both threads go idle, as between requests
+        finally:
+            jobs.put(None)
+            th.join()
+            os.sched_setaffinity(0, every)
+        return wake, resume
+
+    placements: list[tuple[str, set[int] | None]] = [("free", None)]
+    if irq_cpu is not None:
+        placements.append((f"both on CPU {irq_cpu} (GPU irq)", {irq_cpu}))
+    other = next(c for c in sorted(every) if c != irq_cpu)
+    placements.append((f"both on CPU {other}", {other}))
+    for label, cpus in placements:
+        for gpu in (False, True):
+            wake, resume = asyncio.run(run(cpus, gpu))
+            what = "32 KiB copy" if gpu else "no copy"
+            out[f"{what}, {label}: waiter wakes"] = pct(wake)
+            out[f"{what}, {label}: loop resumes"] = pct(resume)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json-out", default=None)
@@ -422,12 +629,18 @@ def main() -> None:
         report["variants"] = anyio.run(pack_variants, 5)
     if "both" in args.only:
         report["both"] = anyio.run(both_directions, 5)
+    if "memkind" in args.only:
+        report["memkind"] = memory_kinds(5)
+    if "hops" in args.only:
+        report["hops"] = wake_hops(args.samples)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
     for part, rows in report.items():
         print(f"\n{part}: p50 / p99 us")
         for name, r in rows.items():
-            if isinstance(r, dict):
+            if isinstance(r, str):
+                print(f"  {name:48} {r}")
+            elif isinstance(r, dict):
                 print(f"  {name:48} {r['p50_us']:8.1f} {r['p99_us']:8.1f}")
             else:
                 print(f"  {name:48} {r:8.1f}")
