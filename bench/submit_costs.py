@@ -487,8 +487,10 @@ def memory_kinds(repeats: int) -> dict[str, Any]:
     sizes = array.array("Q", [seg] * (n // seg // 2))
 
     def one(dst: int, src: int, stream: torch.cuda.Stream, size: int = n) -> None:
-        q = array.array
-        rt.copy_segments(q("Q", [dst]), q("Q", [src]), q("Q", [size]), stream.cuda_stream)
+        # One plain copy: cudaMemcpyBatchAsync refuses a 1 GiB copy (cudaErrorInvalidValue).
+        code = rt.lib.cudaMemcpyAsync(dst, src, size, 4, stream.cuda_stream)  # 4: default
+        if code != 0:
+            raise RuntimeError(f"cudaMemcpyAsync returned {code}")
 
     def scattered(h_dst: int, h_src: int, both: bool) -> None:
         for k in (0, 1):
@@ -515,6 +517,21 @@ def memory_kinds(repeats: int) -> dict[str, Any]:
             2 * n / timed(lambda: scattered(h_dst, h_src, True)) / GB
         )
 
+    q = array.array
+    probe = torch.empty(n, dtype=torch.uint8).pin_memory()
+    for shift in range(24, 31):  # 16 MiB .. 1 GiB in one batched copy
+        try:
+            rt.copy_segments(
+                q("Q", [d_dst.data_ptr()]),
+                q("Q", [d_src.data_ptr()]),
+                q("Q", [1 << shift]),
+                streams[0].cuda_stream,
+            )
+            out[f"batched call, one copy of {1 << shift >> 20} MiB"] = "accepted"
+        except Exception as exc:
+            out[f"batched call, one copy of {1 << shift >> 20} MiB"] = str(exc)
+    torch.cuda.synchronize()
+    del probe
     unreserve = reserve_hugetlb()
     try:
         for name, base, release in kinds():
