@@ -502,6 +502,13 @@ def memory_kinds(repeats: int) -> dict[str, Any]:
                 ds = array.array("Q", [d_dst.data_ptr() + o for o in dev_off[k::2]])
                 rt.copy_segments(ds, hs, sizes, streams[2 + k].cuda_stream)
 
+    def row(key: str, nbytes: int, fn: Callable[[], Any]) -> None:
+        try:
+            out[key] = nbytes / timed(fn) / GB
+        except Exception as exc:  # a refused copy is a finding, not the end of the run
+            out[key] = f"failed: {exc}"
+            torch.cuda.synchronize()
+
     def measure(name: str, h_dst: int, h_src: int) -> None:
         def d2h() -> None:
             one(h_dst, d_src.data_ptr(), streams[0])
@@ -509,29 +516,37 @@ def memory_kinds(repeats: int) -> dict[str, Any]:
         def h2d() -> None:
             one(d_dst.data_ptr(), h_src, streams[2])
 
-        out[f"{name}: contiguous D2H GB/s"] = n / timed(d2h) / GB
-        out[f"{name}: contiguous H2D GB/s"] = n / timed(h2d) / GB
-        out[f"{name}: contiguous both GB/s"] = 2 * n / timed(lambda: [f() for f in (d2h, h2d)]) / GB
-        out[f"{name}: 2 MiB DMAs D2H GB/s"] = n / timed(lambda: scattered(h_dst, h_src, False)) / GB
-        out[f"{name}: 2 MiB DMAs both GB/s"] = (
-            2 * n / timed(lambda: scattered(h_dst, h_src, True)) / GB
-        )
+        row(f"{name}: contiguous D2H GB/s", n, d2h)
+        row(f"{name}: contiguous H2D GB/s", n, h2d)
+        row(f"{name}: contiguous both GB/s", 2 * n, lambda: [f() for f in (d2h, h2d)])
+        row(f"{name}: 2 MiB DMAs D2H GB/s", n, lambda: scattered(h_dst, h_src, False))
+        row(f"{name}: 2 MiB DMAs both GB/s", 2 * n, lambda: scattered(h_dst, h_src, True))
 
-    q = array.array
-    probe = torch.empty(n, dtype=torch.uint8).pin_memory()
-    for shift in range(24, 31):  # 16 MiB .. 1 GiB in one batched copy
-        try:
-            rt.copy_segments(
-                q("Q", [d_dst.data_ptr()]),
-                q("Q", [d_src.data_ptr()]),
-                q("Q", [1 << shift]),
-                streams[0].cuda_stream,
-            )
-            out[f"batched call, one copy of {1 << shift >> 20} MiB"] = "accepted"
-        except Exception as exc:
-            out[f"batched call, one copy of {1 << shift >> 20} MiB"] = str(exc)
-    torch.cuda.synchronize()
-    del probe
+    def largest_copies() -> None:
+        """Which single-copy sizes each call accepts, into torch pinned memory."""
+        probe = torch.empty(n, dtype=torch.uint8).pin_memory()
+        dst, src = probe.data_ptr(), d_src.data_ptr()
+        row("torch copy_ D2H into pin_memory GB/s", n, lambda: probe.copy_(d_src, True))
+        for shift in range(24, 31):  # 16 MiB .. 1 GiB
+            size = 1 << shift
+            for how in ("batched", "plain"):
+                try:
+                    if how == "batched":
+                        sz = array.array("Q", [size])
+                        rt.copy_segments(
+                            array.array("Q", [dst]),
+                            array.array("Q", [src]),
+                            sz,
+                            streams[0].cuda_stream,
+                        )
+                    else:
+                        one(dst, src, streams[0], size)
+                    torch.cuda.synchronize()
+                    out[f"{how} copy of {size >> 20} MiB"] = "accepted"
+                except Exception as exc:
+                    out[f"{how} copy of {size >> 20} MiB"] = str(exc)
+
+    largest_copies()
     unreserve = reserve_hugetlb()
     try:
         for name, base, release in kinds():
