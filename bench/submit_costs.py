@@ -490,6 +490,7 @@ def memory_kinds(repeats: int) -> dict[str, Any]:
         # One plain copy: cudaMemcpyBatchAsync refuses a 1 GiB copy (cudaErrorInvalidValue).
         code = rt.lib.cudaMemcpyAsync(dst, src, size, 4, stream.cuda_stream)  # 4: default
         if code != 0:
+            rt.lib.cudaGetLastError()  # consume it, or torch's next call reports it
             raise RuntimeError(f"cudaMemcpyAsync returned {code}")
 
     def scattered(h_dst: int, h_src: int, both: bool) -> None:
@@ -663,6 +664,8 @@ def main() -> None:
         report["both"] = anyio.run(both_directions, 5)
     if "memkind" in args.only:
         report["memkind"] = memory_kinds(5)
+        for name, r in report["memkind"].items():
+            print(f"  {name:48} {r}", flush=True)
     if "hops" in args.only:
         report["hops"] = wake_hops(args.samples)
     if args.json_out:
