@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -84,17 +85,31 @@ async def bench_size(block_bytes: int, n: int, repeats: int, peers: bool) -> dic
                 except Exception as exc:  # record, keep measuring the rest
                     result[f"{method}_{direction}_error"] = repr(exc)
 
-        async def both() -> None:
+        finish: dict[str, list[float]] = {"store": [], "load": []}
+
+        async def both(method: Method = "auto") -> None:
             g1, c1 = ids()
             half = n // 2
-            s = mgr.store(g1[:half], c1[:half])
-            ld = mgr.load(c1[half:], g1[half:])
+            t0 = time.perf_counter()
+            s = mgr.store(g1[:half], c1[:half], method=method)
+            ld = mgr.load(c1[half:], g1[half:], method=method)
             await s
             await ld
+            for name, transfer in (("store", s), ("load", ld)):  # when each one ended
+                assert transfer.t_done is not None
+                finish[name].append((transfer.t_done - t0) * 1e3)
 
-        await both()
-        times = await timed(both, repeats)
-        result["both_at_once_gbps"] = (nbytes // 2 * 2) / statistics.median(times) / GB
+        both_methods: tuple[Method, ...] = ("auto", "pack", "kernel", "batch")
+        for both_method in both_methods:
+            await both(both_method)
+            finish["store"].clear()
+            finish["load"].clear()
+            times = await timed(lambda m=both_method: both(m), repeats)
+            suffix = "" if both_method == "auto" else f"_{both_method}"
+            result[f"both_at_once{suffix}_gbps"] = (nbytes // 2 * 2) / statistics.median(times) / GB
+            if both_method == "auto":  # where each direction ends, from submission
+                result["both_store_done_ms"] = statistics.median(finish["store"])
+                result["both_load_done_ms"] = statistics.median(finish["load"])
 
         # Peers: the same segments through one batched call / a per-segment loop.
         if peers:
@@ -146,22 +161,25 @@ async def bench_size(block_bytes: int, n: int, repeats: int, peers: bool) -> dic
             await contiguous()
             times = await timed(contiguous, repeats)
             result[f"contiguous_{direction}_gbps"] = span / statistics.median(times) / GB
-        # Both at once: half the span each way, on two streams (the bus's two-way ceiling).
-        other = torch.cuda.Stream()
+        # Both at once: half the span each way, on one or two streams per direction (the
+        # bus's two-way ceiling; the engine deals its DMAs over two streams).
+        extra = [torch.cuda.Stream() for _ in range(3)]
         half = span // 2
         hi_host = host_addr + half
         hi_dev = dev_addr + half
         half_size = size // 2
 
-        async def contiguous_both() -> None:
-            engine.copy_host(host_addr, dev_addr, half_size, to_host=True, streams=[stream])
-            engine.copy_host(hi_host, hi_dev, half_size, to_host=False, streams=[other])
-            stream.synchronize()
-            other.synchronize()
+        async def contiguous_both(k: int) -> None:
+            ups, downs = [stream, extra[0]][:k], extra[1:][:k]
+            engine.copy_host(host_addr, dev_addr, half_size, to_host=True, streams=ups)
+            engine.copy_host(hi_host, hi_dev, half_size, to_host=False, streams=downs)
+            for s_ in (*ups, *downs):
+                s_.synchronize()
 
-        await contiguous_both()
-        times = await timed(contiguous_both, repeats)
-        result["contiguous_both_gbps"] = span / statistics.median(times) / GB
+        for k, key in ((1, "contiguous_both_gbps"), (2, "contiguous_both_2streams_gbps")):
+            await contiguous_both(k)
+            times = await timed(lambda k=k: contiguous_both(k), repeats)
+            result[key] = span / statistics.median(times) / GB
         del dev
     del layout
     torch.cuda.empty_cache()
@@ -222,10 +240,22 @@ async def matmul_slowdown(repeats: int) -> dict[str, Any]:
     return out
 
 
-async def await_latency(samples: int) -> dict[str, Any]:
+async def await_latency(samples: int, cpu: int | None = None) -> dict[str, Any]:
     """One-block store, awaited: asyncpin (per method and completion mode) against the
     peer `await to_thread(event.synchronize)` on the same copies. One block is 64 arrays
-    (the Llama-8B layout: 2 MiB) or 1 array (one 32 KiB segment)."""
+    (the Llama-8B layout: 2 MiB) or 1 array (one 32 KiB segment). With ``cpu``, the event
+    loop's thread is pinned to that CPU before the manager opens, so that the threads the
+    manager starts (waiters included) inherit it, as in a server that pins its loop."""
+    every = os.sched_getaffinity(0)
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    try:
+        return await _await_latency(samples)
+    finally:
+        os.sched_setaffinity(0, every)
+
+
+async def _await_latency(samples: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for arrays in (64, 1):
         layout = make_layout(arrays // 2 if arrays > 1 else 1, 64, 32 << 10)
@@ -329,6 +359,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     if "latency" in args.only:
         report["latency"] = await await_latency(args.samples)
         print(json.dumps(report["latency"]), flush=True)
+        report["latency_one_cpu"] = await await_latency(args.samples, cpu=1)
+        print(json.dumps(report["latency_one_cpu"]), flush=True)
     return report
 
 
@@ -362,9 +394,16 @@ def main() -> None:
                 + " ".join(f"{c:>6.1f}" if c is not None else f"{'-':>6}" for c in cells)
             )
         if "both_at_once_gbps" in r:
+            forced = ", ".join(
+                f"{m} {r[f'both_at_once_{m}_gbps']:.1f}"
+                for m in ("pack", "kernel", "batch")
+                if f"both_at_once_{m}_gbps" in r
+            )
             print(
-                f"{'':>11} both at once (auto): {r['both_at_once_gbps']:.1f} GB/s; "
-                f"contiguous both at once {r.get('contiguous_both_gbps', 0):.1f}"
+                f"{'':>11} both at once: auto {r['both_at_once_gbps']:.1f} GB/s ({forced}); "
+                f"store/load done at {r['both_store_done_ms']:.1f}/{r['both_load_done_ms']:.1f} "
+                f"ms; contiguous both {r.get('contiguous_both_gbps', 0):.1f} (1 stream/dir), "
+                f"{r.get('contiguous_both_2streams_gbps', 0):.1f} (2)"
             )
         errors = {k: v for k, v in r.items() if k.endswith("_error")}
         if errors:
@@ -378,9 +417,13 @@ def main() -> None:
                 for k in ("pack", "kernel", "batch", "contiguous")
             )
         )
-    if "latency" not in report:
-        return
-    lat = report["latency"]
+    for part, where in (("latency", "threads free"), ("latency_one_cpu", "loop on CPU 1")):
+        if part in report:
+            print_latency(report[part], where)
+
+
+def print_latency(lat: dict[str, Any], where: str) -> None:
+    print(where)
     for arrays in (64, 1):
         cells = []
         for c in ("event",):
