@@ -235,12 +235,14 @@ class _Lane:
         self.last = rt.event()  # the end of the previous job of this direction
         self.step = rt.event()  # kernel stream -> DMA streams
         self.moved = (rt.event(), rt.event())  # each DMA stream -> another stream
-        self.free = [rt.event(), rt.event()]  # a staging half may be written again
+        # free[h][k]: staging half h may be written again, as far as DMA stream k is
+        # concerned (store: stream k has read it; load: the kernel has drained it).
+        self.free = [[rt.event(), rt.event()], [rt.event(), rt.event()]]
         self.staging: torch.Tensor | None = None
         self.half = 0  # the staging half the next piece uses
 
     def events(self) -> list[int]:
-        return [self.ready, self.last, self.step, *self.moved, *self.free]
+        return [self.ready, self.last, self.step, *self.moved, *self.free[0], *self.free[1]]
 
 
 class CudaTransferEngine:
@@ -518,8 +520,8 @@ class CudaTransferEngine:
                 lane.staging = torch.empty(
                     (2, per_half * layout.host_block_bytes), dtype=torch.uint8, device=self._device
                 )
-            for free in lane.free:
-                rt.record(free, kernel.cuda_stream)
+            for event in (*lane.free[0], *lane.free[1]):
+                rt.record(event, kernel.cuda_stream)
         per_piece = lane.staging.shape[1] // layout.host_block_bytes
         n = job.transfer.num_blocks
         pieces = -(-n // per_piece)
@@ -534,26 +536,27 @@ class CudaTransferEngine:
                 piece_ids = ids[:, p * per_piece : (p + 1) * per_piece]
                 staging = lane.staging[half].data_ptr()
                 ranges = plan[1][p]
+                free = lane.free[half]
                 if store:
-                    rt.wait(kernel.cuda_stream, lane.free[half])
+                    # The half is free once both DMA streams have read it; neither DMA
+                    # stream waits for the other.
+                    for event in free:
+                        rt.wait(kernel.cuda_stream, event)
                     self._launch(piece_ids, staging, to_host=True, ctas=_PACK_CTAS)
                     rt.record(lane.step, kernel.cuda_stream)
-                    for stream, (host, local, sizes) in zip(dma, ranges, strict=True):
-                        rt.wait(stream.cuda_stream, lane.step)
-                        rt.copy_segments(host, local, sizes, stream.cuda_stream)
-                    # The half is free once both DMA streams have read it.
-                    rt.record(lane.moved[1], dma[1].cuda_stream)
-                    rt.wait(dma[0].cuda_stream, lane.moved[1])
-                    rt.record(lane.free[half], dma[0].cuda_stream)
+                    for k, (host, local, sizes) in enumerate(ranges):
+                        rt.wait(dma[k].cuda_stream, lane.step)
+                        rt.copy_segments(host, local, sizes, dma[k].cuda_stream)
+                        rt.record(free[k], dma[k].cuda_stream)
                 else:
-                    for stream, (host, local, sizes) in zip(dma, ranges, strict=True):
-                        rt.wait(stream.cuda_stream, lane.free[half])
-                        rt.copy_segments(local, host, sizes, stream.cuda_stream)
-                    for stream, moved in zip(dma, lane.moved, strict=True):
-                        rt.record(moved, stream.cuda_stream)
-                        rt.wait(kernel.cuda_stream, moved)
+                    for k, (host, local, sizes) in enumerate(ranges):
+                        rt.wait(dma[k].cuda_stream, free[k])
+                        rt.copy_segments(local, host, sizes, dma[k].cuda_stream)
+                        rt.record(lane.moved[k], dma[k].cuda_stream)
+                        rt.wait(kernel.cuda_stream, lane.moved[k])
                     self._launch(piece_ids, staging, to_host=False, ctas=_PACK_CTAS)
-                    rt.record(lane.free[half], kernel.cuda_stream)
+                    for event in free:
+                        rt.record(event, kernel.cuda_stream)
         return self._join(lane) if store else kernel
 
     def _pack_plan(
