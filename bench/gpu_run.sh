@@ -30,8 +30,8 @@ for step in $steps; do
       timeout 400 python3 bench/transfers.py --json-out "$OUT/transfers.json" \
         --plot "$OUT/transfers.png" --only "${ONLY:-sizes,matmul,latency}" 2>&1 | tee "$OUT/transfers.log" | tail -25 ;;
     profile)
-      timeout 120 python3 bench/submit_profile.py 2>&1 | tee "$OUT/profile.log" \
-        | grep -E "submit p50|tottime|^ +[0-9]+ +[0-9.]+ +[0-9.]+" | head -40 ;;
+      timeout 200 python3 bench/submit_profile.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" \
+        | grep -E "submit p50|tottime|^ +[0-9]+ +[0-9.]+ +[0-9.]+" | head -60 ;;
     costs)
       timeout 300 python3 bench/submit_costs.py --only "${COSTS_ONLY:-costs,streams,both}" --json-out "$OUT/submit_costs.json" 2>&1 \
         | tee "$OUT/costs.log" | tail -60 ;;
