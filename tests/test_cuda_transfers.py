@@ -12,7 +12,7 @@ import anyio.lowlevel
 import pytest
 import torch
 
-from asyncpin import KVLayout, OffloadManager, Transfer
+from asyncpin import KVLayout, OffloadManager, Transfer, TransferError
 
 pytestmark = pytest.mark.cuda
 
@@ -171,6 +171,46 @@ class TestSubmissionOrder:
                 await one
             for array in layout.arrays:
                 assert bool((array[gpu] == 2).all()), "an earlier load landed last"
+
+
+class TestStoreSubmitter:
+    """Large stores are queued by a thread of their own; order and failures still hold."""
+
+    async def test_a_small_store_after_a_large_one_lands_last(self) -> None:
+        # The large store goes to the submitter thread; the small one, submitted while that
+        # thread is (most likely) still queuing it, must follow it there, not overtake it.
+        async with kv_manager() as (mgr, layout):
+            cpu = _ids(400, HOST_BLOCKS)
+            gpu = _ids(402, BLOCKS)
+            large, small = gpu[:400], gpu[400:]
+            torch.cuda._sleep(100_000_000)  # the device is busy: nothing lands early
+            with anyio.fail_after(60):
+                one = mgr.store(large, cpu)
+                two = mgr.store(small, cpu[:2])
+                await two
+                await one
+            _check_host(mgr, layout, small, cpu[:2])
+            _check_host(mgr, layout, large[2:], cpu[2:])
+
+    async def test_a_failure_while_queuing_reaches_the_handle(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        async with kv_manager() as (mgr, layout):
+            engine: Any = mgr._engine
+
+            def refuse(*args: Any) -> Any:
+                raise RuntimeError("refused while queuing")
+
+            gpu, cpu = _ids(400, BLOCKS), _ids(400, HOST_BLOCKS)
+            with monkeypatch.context() as patch:
+                patch.setattr(engine, "_pack", refuse)
+                failed = mgr.store(gpu, cpu, method="pack")
+                with anyio.fail_after(60), pytest.raises(TransferError, match="refused"):
+                    await failed
+            with anyio.fail_after(60):  # the thread goes on with the next store
+                await mgr.store(gpu, cpu, method="pack")
+            _check_host(mgr, layout, gpu, cpu)
+            assert mgr.stats().transfers_in_flight == 0
 
 
 class TestPageable:
