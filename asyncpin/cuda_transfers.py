@@ -191,35 +191,45 @@ def _loop_caller() -> Callable[..., None]:
     return call_soon
 
 
-class _Waiter:
-    """One thread per direction: waits for each transfer's event in order, then reports."""
+class _Worker:
+    """A thread that handles the items put to it one at a time, in order (``_handle``)."""
 
     def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, Callable[[BaseException | None], None]] | None]
-        self._queue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    def _handle(self, item: Any) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._handle(item)
+
+    def close(self) -> None:
+        """Returns once every item put before has been handled."""
+        self._queue.put(None)
+        self._thread.join()
+
+
+class _Waiter(_Worker):
+    """One thread per direction: waits for each transfer's event in order, then reports."""
 
     def submit(self, event: Any, report: Callable[[BaseException | None], None]) -> None:
         """Call ``report(error)`` in this thread once ``event`` has completed."""
         self._queue.put((event, report))
 
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            event, report = item
-            try:
-                event.synchronize()  # a blocking-sync event: the thread sleeps
-            except BaseException as exc:
-                report(exc)
-            else:
-                report(None)
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+    def _handle(self, item: Any) -> None:
+        event, report = item
+        try:
+            event.synchronize()  # a blocking-sync event: the thread sleeps
+        except BaseException as exc:
+            report(exc)
+        else:
+            report(None)
 
 
-class _Submitter:
+class _Submitter(_Worker):
     """One thread that queues large stores' device work, in the order they were submitted.
 
     Queuing a 2 GiB pack store takes milliseconds of driver calls (about 4 ms on the H200,
@@ -237,9 +247,7 @@ class _Submitter:
         self._enqueue, self._fail = enqueue, fail
         self._lock = threading.Lock()
         self._pending = 0
-        self._queue: queue.SimpleQueue[tuple[TransferJob, str] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        super().__init__(name)
 
     def busy(self) -> bool:
         with self._lock:
@@ -250,21 +258,15 @@ class _Submitter:
             self._pending += 1
         self._queue.put((job, method))
 
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            job, method = item
-            try:
-                self._enqueue(job, method)
-            except BaseException as exc:  # reported through the handle, never lost
-                self._fail(job, exc)
-            finally:
-                with self._lock:
-                    self._pending -= 1
-
-    def close(self) -> None:
-        """Returns once every job submitted before has been queued on the device."""
-        self._queue.put(None)
-        self._thread.join()
+    def _handle(self, item: Any) -> None:
+        job, method = item
+        try:
+            self._enqueue(job, method)
+        except BaseException as exc:  # reported through the handle, never lost
+            self._fail(job, exc)
+        finally:
+            with self._lock:
+                self._pending -= 1
 
 
 def _load_kernel() -> Any:
