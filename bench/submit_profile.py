@@ -2,6 +2,7 @@
 
     python3 bench/submit_profile.py            # one-block stores (64 segments)
     python3 bench/submit_profile.py --big      # 1024-block stores (Llama-8B layout, 2 GiB)
+    python3 bench/submit_profile.py --arrays 1 # one-segment stores
 
 ``--big`` also submits each store while the GPU is held busy by a 200 ms sleep kernel on
 the caller's stream: if submission then takes ~200 ms, the submitting thread blocked on
@@ -27,9 +28,10 @@ from asyncpin import KVLayout, OffloadManager
 from asyncpin.transfers import Method
 
 
-async def main(big: bool) -> None:
+async def main(big: bool, arrays: int) -> None:
     blocks = 2048 if big else 64
-    tensors = [torch.randn(blocks, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(64)]
+    shape = (blocks, 16, 8, 128)
+    tensors = [torch.randn(*shape, device="cuda").to(torch.bfloat16) for _ in range(arrays)]
     layout = KVLayout.from_tensors(tensors)
     repeats, per_job = (20, 1024) if big else (300, 1)
     method: Method
@@ -76,6 +78,7 @@ async def main(big: bool) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--big", action="store_true")
+    parser.add_argument("--arrays", type=int, default=64, help="KV arrays in the layout")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
-    anyio.run(main, args.big)
+    anyio.run(main, args.big, args.arrays)
