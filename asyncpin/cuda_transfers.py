@@ -107,9 +107,15 @@ class _Runtime:
             ctypes.c_int,
             ctypes.c_void_p,
         ]
-        lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.cudaEventDestroy.argtypes = [ctypes.c_void_p]
-        lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        # Event records and stream waits only queue work: microseconds that never block.
+        # They keep the GIL (a PyDLL binding): a release for each would hand the GIL to
+        # the other submitting thread and back, a thread wake-up each way, when a store
+        # and a load are queued at once.
+        self.ordering: ctypes.CDLL = ctypes.PyDLL(lib._name)
+        for each in (lib, self.ordering):
+            each.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            each.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
         self.batch = getattr(lib, "cudaMemcpyBatchAsync", None) if self.version >= 12080 else None
         # src order "stream" (1); prefer overlap with compute (1): leave the SMs alone.
         self.attrs = _MemcpyAttributes(1, _MemLocation(0, 0), _MemLocation(0, 0), 1)
@@ -150,12 +156,13 @@ class _Runtime:
         return int(handle.value or 0)
 
     def record(self, event: int, stream: int) -> None:
-        self._check("cudaEventRecord", self.lib.cudaEventRecord(event, stream))
+        self._check("cudaEventRecord", self.ordering.cudaEventRecord(event, stream))
 
     def wait(self, stream: int, event: int) -> None:
         """Work queued on ``stream`` from now on waits for ``event``'s latest record (the
         one made before this call: recording the event again later changes nothing)."""
-        self._check("cudaStreamWaitEvent", self.lib.cudaStreamWaitEvent(stream, event, 0))
+        code = self.ordering.cudaStreamWaitEvent(stream, event, 0)
+        self._check("cudaStreamWaitEvent", code)
 
     def destroy(self, event: int) -> None:
         self.lib.cudaEventDestroy(event)  # released once pending work no longer needs it
@@ -439,11 +446,15 @@ class CudaTransferEngine:
 
     def _start(self, stream: torch.cuda.Stream, job: TransferJob, lane: _Lane) -> None:
         """``stream`` waits for the caller's stream and for the direction's previous job."""
+        self._after_caller(stream, job, lane)
+        self._rt.wait(stream.cuda_stream, lane.last)
+
+    def _after_caller(self, stream: torch.cuda.Stream, job: TransferJob, lane: _Lane) -> None:
+        """``stream`` waits for the work queued on the caller's stream at submission."""
         if job.ready is not None:
             stream.wait_event(job.ready)
         else:
             self._rt.wait(stream.cuda_stream, lane.ready)
-        self._rt.wait(stream.cuda_stream, lane.last)
 
     def _join(self, lane: _Lane) -> torch.cuda.Stream:
         """The kernel stream waits for everything queued so far on the DMA streams."""
@@ -594,6 +605,11 @@ class CudaTransferEngine:
         lane.half = (lane.half + pieces) % 2
         plan = self._pack_plan(job.cpu_ids, per_piece, [lane.staging[h].data_ptr() for h in halves])
         job.keep += plan[0]
+        if not store:
+            # A load's DMAs read host blocks that work on the caller's stream may still
+            # write; the staging halves order them after earlier loads.
+            for stream in dma:
+                self._after_caller(stream, job, lane)
         with torch.cuda.stream(kernel):
             ids = self._ids_on_device(job.gpu_ids, torch.arange(n) % per_piece)
             job.keep.append(ids)

@@ -31,7 +31,7 @@ from typing import Any
 import anyio
 import structlog
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -89,11 +89,27 @@ def reduce_trace(path: str) -> dict[str, Any]:
     if not gpu:
         return {"error": "no GPU copies in the trace"}
     t0 = min(e["ts"] for e in gpu)
+    submits = [e["ts"] for e in events if e.get("name") == "both:submit"]
+    queued: dict[str, list[float]] = {}  # per thread: when each batched DMA call began
+    for e in events:
+        if e.get("name") == "copy_segments":
+            queued.setdefault(str(e.get("tid")), []).append((e["ts"] - t0) / 1e3)
 
     def rel(e: dict[str, Any]) -> tuple[float, float]:
         return ((e["ts"] - t0) / 1e3, (e["ts"] + e["dur"] - t0) / 1e3)
 
     out: dict[str, Any] = {"end_ms": max(rel(e)[1] for e in gpu)}
+    if submits:  # from store() being called to the first GPU copy
+        out["submit_to_gpu_ms"] = (t0 - min(submits)) / 1e3
+    out["dma_calls"] = {
+        tid: {
+            "n": len(v),
+            "first_ms": round(min(v), 3),
+            "second_ms": round(sorted(v)[1], 3) if len(v) > 1 else None,
+            "last_ms": round(max(v), 3),
+        }
+        for tid, v in queued.items()
+    }
     spans = {}
     for direction, evs in dma.items():
         if not evs:
@@ -157,8 +173,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             if held:
                 torch.cuda._sleep(60_000_000)  # ~30 ms on the caller's stream
             t0 = time.perf_counter()
-            s = mgr.store(g[:half], c[:half])
-            ld = mgr.load(c[half:], g[half:])
+            with record_function("both:submit"):
+                s = mgr.store(g[:half], c[:half])
+                ld = mgr.load(c[half:], g[half:])
             await s
             await ld
             return time.perf_counter() - t0
@@ -180,11 +197,23 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 st.synchronize()
             return time.perf_counter() - t0
 
+        rt = engine._rt
+        copy_segments = rt.copy_segments
+
+        def traced(*a: Any) -> None:
+            with record_function("copy_segments"):
+                copy_segments(*a)
+
+        rt.copy_segments = traced  # type: ignore[method-assign,assignment]
+        ordering = rt.ordering
         for name, fn, held in (
             ("free", both, False),
+            ("free_gil_release", both, False),
             ("held", both, True),
             ("contiguous_1GiB", contiguous, False),
         ):
+            # free_gil_release: event records and stream waits release the GIL, as before
+            rt.ordering = rt.lib if name == "free_gil_release" else ordering
             await fn(held)  # warm-up
             runs = []
             for i in range(args.repeats):
@@ -237,7 +266,8 @@ def main() -> None:
             "load",
             r.get("load", {}).get("largest_gaps"),
         )
-        print(name, "driver calls", r.get("driver_calls"))
+        print(name, "store() to first GPU copy", r.get("submit_to_gpu_ms"), "ms; DMA calls")
+        print("   ", r.get("dma_calls"))
 
 
 if __name__ == "__main__":

@@ -264,6 +264,25 @@ class TestStreamOrder:
             host = mgr.host_blocks()[cpu]
             assert bool((host == 7).all()), "the store copied blocks before they were produced"
 
+    @pytest.mark.parametrize(
+        ("method", "n"), [("batch", 64), ("pack", 64), ("kernel", 64), ("auto", 1)]
+    )
+    async def test_load_reads_host_blocks_after_the_caller_stream(
+        self, method: str, n: int
+    ) -> None:
+        async with kv_manager() as (mgr, layout):
+            cpu, gpu = _ids(n, HOST_BLOCKS), _ids(n, BLOCKS)
+            host = mgr.host_blocks()
+            host[cpu] = 1
+            fresh = torch.full_like(host[0], 9, device="cuda")
+            torch.cuda._sleep(200_000_000)  # the caller's stream is still busy...
+            for c in cpu:
+                host[c].copy_(fresh, non_blocking=True)  # ...when it writes the host blocks
+            with anyio.fail_after(60):
+                await mgr.load(cpu, gpu, method=method)  # type: ignore[arg-type]
+            for a, array in enumerate(layout.arrays):
+                assert bool((array[gpu] == 9).all()), f"array {a}: the load read stale blocks"
+
     async def test_compute_stream_waits_on_the_load_event(self) -> None:
         async with kv_manager() as (mgr, layout):
             cpu, gpu = _ids(64, HOST_BLOCKS), _ids(64, BLOCKS)
