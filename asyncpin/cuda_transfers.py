@@ -301,6 +301,7 @@ class _Lane:
         # concerned (store: stream k has read it; load: the kernel has drained it).
         self.free = [[rt.event(), rt.event()], [rt.event(), rt.event()]]
         self.staging: torch.Tensor | None = None
+        self.halves = (0, 0)  # the two halves' device addresses
         self.half = 0  # the staging half the next piece uses
 
     def events(self) -> list[int]:
@@ -581,8 +582,9 @@ class CudaTransferEngine:
 
     def _pack(self, job: TransferJob, lane: _Lane) -> torch.cuda.Stream:
         """Pieces of the job go through the two staging halves in turn, so the kernel
-        fills (store) or drains (load) one half while DMAs move the other. Every piece's
-        addresses are computed up front, in a few vectorised ops for the whole job."""
+        fills (store) or drains (load) one half while DMAs move the other. A piece's DMAs
+        are planned in plain Python just before it is queued: the first piece goes out
+        at once, and no torch op hands the GIL to another submitting thread meanwhile."""
         layout, rt = self._layout, self._rt
         store = job.transfer.direction == "store"
         kernel, dma = lane.kernel, lane.dma
@@ -596,28 +598,26 @@ class CudaTransferEngine:
                 lane.staging = torch.empty(
                     (2, per_half * layout.host_block_bytes), dtype=torch.uint8, device=self._device
                 )
+            lane.halves = (lane.staging[0].data_ptr(), lane.staging[1].data_ptr())
             for event in (*lane.free[0], *lane.free[1]):
                 rt.record(event, kernel.cuda_stream)
         per_piece = lane.staging.shape[1] // layout.host_block_bytes
         n = job.transfer.num_blocks
-        pieces = -(-n // per_piece)
-        halves = [(lane.half + p) % 2 for p in range(pieces)]
-        lane.half = (lane.half + pieces) % 2
-        plan = self._pack_plan(job.cpu_ids, per_piece, [lane.staging[h].data_ptr() for h in halves])
-        job.keep += plan[0]
         if not store:
             # A load's DMAs read host blocks that work on the caller's stream may still
             # write; the staging halves order them after earlier loads.
             for stream in dma:
                 self._after_caller(stream, job, lane)
         with torch.cuda.stream(kernel):
-            ids = self._ids_on_device(job.gpu_ids, torch.arange(n) % per_piece)
+            ids = self._ids_on_device(job.gpu_ids, [i % per_piece for i in range(n)])
             job.keep.append(ids)
-            for p, half in enumerate(halves):
-                piece_ids = ids[:, p * per_piece : (p + 1) * per_piece]
-                staging = lane.staging[half].data_ptr()
-                ranges = plan[1][p]
-                free = lane.free[half]
+            for lo in range(0, n, per_piece):
+                half = lane.half
+                lane.half ^= 1
+                staging, free = lane.halves[half], lane.free[half]
+                piece_ids = ids[:, lo : lo + per_piece]
+                ranges = self._piece_dmas(job.cpu_ids[lo : lo + per_piece], staging)
+                job.keep.append(ranges)
                 if store:
                     # The half is free once both DMA streams have read it; neither DMA
                     # stream waits for the other.
@@ -640,40 +640,34 @@ class CudaTransferEngine:
                         rt.record(event, kernel.cuda_stream)
         return self._join(lane) if store else kernel
 
-    def _pack_plan(
-        self, cpu_ids: list[int], per_piece: int, staging: list[int]
-    ) -> tuple[list[torch.Tensor], list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]]:
-        """The DMAs of a pack job: one per run of consecutive host blocks within a piece,
-        cut at registration boundaries, dealt alternately to the two DMA streams. Returns
-        the tensors to keep alive and, per piece and stream, (host, staging, sizes)."""
-        size = self._layout.host_block_bytes
-        ids = torch.tensor(cpu_ids, dtype=torch.int64)
-        n = len(cpu_ids)
-        piece = torch.arange(n) // per_piece
-        breaks = torch.ones(n, dtype=torch.bool)
-        breaks[1:] = (ids[1:] != ids[:-1] + 1) | (piece[1:] != piece[:-1])
-        starts = torch.nonzero(breaks).reshape(-1)
-        lengths = torch.diff(torch.cat([starts, torch.tensor([n])]))
-        tag = piece[starts]
-        host = self._host_base + ids[starts] * size
-        local = torch.tensor(staging, dtype=torch.int64)[tag] + (starts % per_piece) * size
-        host, local, sizes, tag = self._split_at_chunks(host, local, lengths * size, tag)
-        # Order by (piece, stream): each piece's ranges for one stream are then one slice.
-        rank = torch.arange(len(tag)) - torch.searchsorted(tag, tag)  # tag is sorted
-        key = tag * 2 + rank % 2
-        order = torch.argsort(key, stable=True)
-        host, local, sizes = host[order], local[order], sizes[order]
-        counts = torch.bincount(key, minlength=2 * len(staging)).tolist()
-        plan, offset = [], 0
-        for p in range(len(staging)):
-            per_stream = []
-            for k in range(2):
-                count = counts[2 * p + k]
-                cut = slice(offset, offset + count)
-                per_stream.append((host[cut], local[cut], sizes[cut]))
-                offset += count
-            plan.append(per_stream)
-        return [host, local, sizes], plan
+    def _piece_dmas(self, cpu_ids: list[int], staging: int) -> list[tuple[Addresses, ...]]:
+        """The DMAs of one pack piece, as (host, staging, sizes) address arrays for each
+        of the two DMA streams: one DMA per run of consecutive host blocks, never across
+        a registration (chunk) boundary, dealt alternately to the streams."""
+        size, base, chunk = self._layout.host_block_bytes, self._host_base, self._chunk_bytes
+        host: list[int] = []
+        local: list[int] = []
+        sizes: list[int] = []
+        for j, c in enumerate(cpu_ids):
+            h = base + c * size
+            # Blocks that tile chunks cross no boundary; a run is cut where a chunk starts.
+            if host and h == host[-1] + sizes[-1] and (h - base) % chunk:
+                sizes[-1] += size
+            else:
+                host.append(h)
+                local.append(staging + j * size)
+                sizes.append(size)
+        if not self._blocks_tile_chunks:
+            parts = self._cut_all(host, local, sizes)
+            host, local, sizes = ([p[i] for p in parts] for i in range(3))
+        return [
+            (
+                array.array("Q", host[k::2]),
+                array.array("Q", local[k::2]),
+                array.array("Q", sizes[k::2]),
+            )
+            for k in range(2)
+        ]
 
     def copy_host(
         self,

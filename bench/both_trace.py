@@ -90,15 +90,21 @@ def reduce_trace(path: str) -> dict[str, Any]:
         return {"error": "no GPU copies in the trace"}
     t0 = min(e["ts"] for e in gpu)
     submits = [e["ts"] for e in events if e.get("name") == "both:submit"]
+    finished = {
+        e["name"].split(":")[1]: (e["ts"] - t0) / 1e3
+        for e in events
+        if e.get("name", "").startswith("finish:") and e.get("cat") == "user_annotation"
+    }
     queued: dict[str, list[float]] = {}  # per thread: when each batched DMA call began
     for e in events:
-        if e.get("name") == "copy_segments":
+        if e.get("name") == "copy_segments" and e.get("cat") == "user_annotation":
             queued.setdefault(str(e.get("tid")), []).append((e["ts"] - t0) / 1e3)
 
     def rel(e: dict[str, Any]) -> tuple[float, float]:
         return ((e["ts"] - t0) / 1e3, (e["ts"] + e["dur"] - t0) / 1e3)
 
     out: dict[str, Any] = {"end_ms": max(rel(e)[1] for e in gpu)}
+    out["finished_ms"] = finished  # when the loop learned of each direction's end
     if submits:  # from store() being called to the first GPU copy
         out["submit_to_gpu_ms"] = (t0 - min(submits)) / 1e3
     out["dma_calls"] = {
@@ -205,6 +211,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 copy_segments(*a)
 
         rt.copy_segments = traced  # type: ignore[method-assign,assignment]
+        finish = engine._finish
+
+        def traced_finish(job: Any, error: BaseException | None) -> None:
+            with record_function(f"finish:{job.transfer.direction}"):
+                finish(job, error)
+
+        engine._finish = traced_finish  # type: ignore[method-assign]
         ordering = rt.ordering
         for name, fn, held in (
             ("free", both, False),
@@ -219,7 +232,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             for i in range(args.repeats):
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     wall = await fn(held)
-                path = os.path.join(tmp, f"{name}-{i}.json")
+                path = os.path.join(args.trace_dir or tmp, f"{name}-{i}.json")
                 prof.export_chrome_trace(path)
                 r = reduce_trace(path)
                 r["wall_ms"] = wall * 1e3
@@ -233,6 +246,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json-out")
+    parser.add_argument("--trace-dir", help="keep the raw traces here")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     report = anyio.run(main_async, args)
@@ -266,7 +280,14 @@ def main() -> None:
             "load",
             r.get("load", {}).get("largest_gaps"),
         )
-        print(name, "store() to first GPU copy", r.get("submit_to_gpu_ms"), "ms; DMA calls")
+        print(
+            name,
+            "store() to first GPU copy",
+            r.get("submit_to_gpu_ms"),
+            "ms; finished at",
+            r.get("finished_ms"),
+            "; DMA calls",
+        )
         print("   ", r.get("dma_calls"))
 
 

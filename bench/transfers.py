@@ -347,7 +347,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "sizes": [],
     }
     total = 4 << 30
-    for block_bytes in (8 << 10, 32 << 10, 256 << 10, 2 << 20) if "sizes" in args.only else ():
+    block_sizes = [int(k) << 10 for k in args.block_kib.split(",")]
+    for block_bytes in block_sizes if "sizes" in args.only else ():
         n = max(total // (64 * block_bytes), 16)
         try:
             report["sizes"].append(await bench_size(block_bytes, n, args.repeats, peers=True))
@@ -373,6 +374,7 @@ def main() -> None:
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--plot", default=None)
     parser.add_argument("--only", default="sizes,matmul,latency", help="parts to run")
+    parser.add_argument("--block-kib", default="8,32,256,2048", help="block sizes per array")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     report = anyio.run(main_async, args)
