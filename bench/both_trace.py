@@ -12,8 +12,8 @@ that queue them ran, per thread. Two ways to start:
 - ``held``: a sleep kernel on the caller's stream holds both back until both are queued,
   so the GPU timeline shows the copies alone, without the submission's pace.
 
-Contiguous DMAs both ways (16 MiB pieces, two streams per direction) are traced the same
-way in the same run, as the ceiling.
+Contiguous DMAs both ways (2 GiB each way in 16 MiB pieces, two streams per direction)
+are traced the same way in the same run, as the ceiling.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await ld
             return time.perf_counter() - t0
 
-        span = 1 << 30
+        span = 4 << 30  # 2 GiB each way, as the KV transfers move
         dev = torch.empty(span, dtype=torch.uint8, device="cuda")
         host = torch.tensor([mgr.host_blocks().data_ptr()], dtype=torch.int64)
         devp = torch.tensor([dev.data_ptr()], dtype=torch.int64)
@@ -223,7 +223,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             ("free", both, False),
             ("free_gil_release", both, False),
             ("held", both, True),
-            ("contiguous_1GiB", contiguous, False),
+            ("contiguous", contiguous, False),
         ):
             # free_gil_release: event records and stream waits release the GIL, as before
             rt.ordering = rt.lib if name == "free_gil_release" else ordering

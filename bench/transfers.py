@@ -144,7 +144,7 @@ async def bench_size(block_bytes: int, n: int, repeats: int, peers: bool) -> dic
                     result[f"peer_loop_{direction}_gbps"] = nbytes / (time.perf_counter() - t0) / GB
         # Contiguous DMA of 1 GiB (the bus's ceiling), through the same runtime calls.
         span = min(nbytes, 1 << 30)
-        dev = torch.empty(span, dtype=torch.uint8, device="cuda")
+        dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         host_addr = torch.tensor([mgr.host_blocks().data_ptr()], dtype=torch.int64)
         dev_addr = torch.tensor([dev.data_ptr()], dtype=torch.int64)
         size = torch.tensor([span], dtype=torch.int64)
@@ -163,13 +163,14 @@ async def bench_size(block_bytes: int, n: int, repeats: int, peers: bool) -> dic
             await contiguous()
             times = await timed(contiguous, repeats)
             result[f"contiguous_{direction}_gbps"] = span / statistics.median(times) / GB
-        # Both at once: half the span each way, on one or two streams per direction (the
-        # bus's two-way ceiling; the engine deals its DMAs over two streams).
+        # Both at once: as many bytes each way as asyncpin moves both at once (nbytes / 2),
+        # on one or two streams per direction (the bus's two-way ceiling; the engine
+        # deals its DMAs over two streams).
         extra = [torch.cuda.Stream() for _ in range(3)]
-        half = span // 2
+        half = nbytes // 2
         hi_host = host_addr + half
         hi_dev = dev_addr + half
-        half_size = size // 2
+        half_size = torch.tensor([half], dtype=torch.int64)
 
         async def contiguous_both(k: int) -> None:
             ups, downs = [stream, extra[0]][:k], extra[1:][:k]
@@ -181,7 +182,7 @@ async def bench_size(block_bytes: int, n: int, repeats: int, peers: bool) -> dic
         for k, key in ((1, "contiguous_both_gbps"), (2, "contiguous_both_2streams_gbps")):
             await contiguous_both(k)
             times = await timed(lambda k=k: contiguous_both(k), repeats)
-            result[key] = span / statistics.median(times) / GB
+            result[key] = nbytes / statistics.median(times) / GB
         del dev
     del layout
     torch.cuda.empty_cache()
