@@ -7,6 +7,7 @@ import enum
 import itertools
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -205,6 +206,7 @@ class OffloadManager:
         self._num_host_blocks = num_host_blocks or 0
         self._unpinned_policy = unpinned_policy
         self._engine: TransferEngine | None = None
+        self._loop_thread: int | None = None  # the thread that entered: store/load only there
         self._host_blocks: torch.Tensor | None = None
         self._inflight: set[Transfer] = set()
         self._observers: list[Callable[[Transfer], None]] = []
@@ -322,6 +324,7 @@ class OffloadManager:
                 region.release()
                 raise
         self._state = ManagerState.OPEN
+        self._loop_thread = threading.get_ident()
         self._tg.start_soon(self._run_pinning)
         self._seconds_to_enter = time.perf_counter() - t0
         self._log.info(
@@ -601,6 +604,12 @@ class OffloadManager:
     ) -> Transfer:
         if self._state is not ManagerState.OPEN:
             raise anyio.ClosedResourceError("the manager is closed to new transfers")
+        if threading.get_ident() != self._loop_thread:
+            raise RuntimeError(
+                f"{direction}() must be called from the event loop's thread (the one that "
+                "entered the manager); from another thread, go through "
+                "anyio.from_thread.run_sync"
+            )
         layout, engine, scheduler = self._layout, self._engine, self._scheduler
         if layout is None or engine is None or scheduler is None:
             raise ConfigError("this manager has no KV layout (use OffloadManager.for_kv)")

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
 import anyio
+import anyio.from_thread
 import anyio.to_thread
 import pytest
 import torch
@@ -675,6 +676,25 @@ class TestCloseWithTransfers:
             with pytest.raises(anyio.ClosedResourceError):
                 call()
         assert mgr.stats().transfers_stored == 1
+
+    async def test_transfers_from_another_thread_are_refused(self, gen: torch.Generator) -> None:
+        layout = small_kv(gen)
+        with anyio.fail_after(TIMEOUT_S):
+            async with small_manager(layout, FakeBackend()) as mgr:
+                await mgr.pinned
+                model = KVModel(mgr, layout)
+                before = transfer_counters(mgr.stats())
+                for call in (lambda: mgr.store([0], [0]), lambda: mgr.load([0], [0])):
+                    with pytest.raises(RuntimeError, match="event loop's thread"):
+                        await anyio.to_thread.run_sync(call)
+                # The way that works: hop to the loop's thread through a portal.
+                transfer = await anyio.to_thread.run_sync(
+                    lambda: anyio.from_thread.run_sync(mgr.store, [1], [2])
+                )
+                await transfer
+                assert mgr.stats().transfers_stored == before[0] + 1
+                model.store([1], [2])
+                model.check()
 
     async def test_failed_pin_fails_the_transfers_that_need_its_chunk(
         self, gen: torch.Generator
