@@ -107,15 +107,9 @@ class _Runtime:
             ctypes.c_int,
             ctypes.c_void_p,
         ]
+        lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.cudaEventDestroy.argtypes = [ctypes.c_void_p]
-        # Event records and stream waits only queue work: microseconds that never block.
-        # They keep the GIL (a PyDLL binding): a release for each would hand the GIL to
-        # the other submitting thread and back, a thread wake-up each way, when a store
-        # and a load are queued at once.
-        self.ordering: ctypes.CDLL = ctypes.PyDLL(lib._name)
-        for each in (lib, self.ordering):
-            each.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-            each.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
         self.batch = getattr(lib, "cudaMemcpyBatchAsync", None) if self.version >= 12080 else None
         # src order "stream" (1); prefer overlap with compute (1): leave the SMs alone.
         self.attrs = _MemcpyAttributes(1, _MemLocation(0, 0), _MemLocation(0, 0), 1)
@@ -156,13 +150,12 @@ class _Runtime:
         return int(handle.value or 0)
 
     def record(self, event: int, stream: int) -> None:
-        self._check("cudaEventRecord", self.ordering.cudaEventRecord(event, stream))
+        self._check("cudaEventRecord", self.lib.cudaEventRecord(event, stream))
 
     def wait(self, stream: int, event: int) -> None:
         """Work queued on ``stream`` from now on waits for ``event``'s latest record (the
         one made before this call: recording the event again later changes nothing)."""
-        code = self.ordering.cudaStreamWaitEvent(stream, event, 0)
-        self._check("cudaStreamWaitEvent", code)
+        self._check("cudaStreamWaitEvent", self.lib.cudaStreamWaitEvent(stream, event, 0))
 
     def destroy(self, event: int) -> None:
         self.lib.cudaEventDestroy(event)  # released once pending work no longer needs it

@@ -218,15 +218,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 finish(job, error)
 
         engine._finish = traced_finish  # type: ignore[method-assign]
-        ordering = rt.ordering
         for name, fn, held in (
             ("free", both, False),
-            ("free_gil_release", both, False),
             ("held", both, True),
             ("contiguous", contiguous, False),
         ):
-            # free_gil_release: event records and stream waits release the GIL, as before
-            rt.ordering = rt.lib if name == "free_gil_release" else ordering
             await fn(held)  # warm-up
             runs = []
             for i in range(args.repeats):
