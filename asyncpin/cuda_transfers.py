@@ -305,6 +305,8 @@ class CudaTransferEngine:
     """Store/load lanes, copy methods and completion waiters for one KV layout."""
 
     name = "cuda"
+    # Large stores go to the submitter thread (False: every store is queued by the caller).
+    thread_stores = True
 
     def __init__(
         self, layout: KVLayout, host_blocks: torch.Tensor, start_soon: Any, *, chunk_bytes: int
@@ -375,7 +377,7 @@ class CudaTransferEngine:
                 copy_in_thread, job, self._copy_pageable, "from pageable memory failed"
             )
         elif job.transfer.direction == "store" and (
-            self._submitter.busy() or not self._is_small(job)
+            self._submitter.busy() or (self.thread_stores and not self._is_small(job))
         ):
             # Stores are queued by the submitter thread unless small and nothing is ahead
             # of them there. Loads are queued here, on the calling thread, so that

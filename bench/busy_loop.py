@@ -1,0 +1,110 @@
+"""KV transfers while the event loop is CPU-bound: does the store submitter thread keep up?
+
+    python3 bench/busy_loop.py --json-out $OUT/busy_loop.json
+
+A large store is queued by a submitter thread, which needs the GIL for each step. With
+the loop idle it has it at once; with the loop busy in Python, every GIL hand-off can
+wait for the interpreter's switch interval (5 ms). Llama-8B-like layout, 32 KiB blocks,
+2 GiB per transfer (random ids), pack method. The loop is kept busy by a task that runs
+pure Python in 2 ms slices with a checkpoint between them. Each store is timed with the
+submitter thread (the default) and with the store queued on the loop (``thread_stores``
+off); a load (always queued on the loop) is timed alongside for reference. Wall time from
+the call to the awaiting coroutine's return; median of 5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import structlog
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncpin import KVLayout, OffloadManager
+from asyncpin.cuda_transfers import CudaTransferEngine
+
+GB = 1e9
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    n = 2048
+    tensors = [torch.randn(n, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(64)]
+    layout = KVLayout.from_tensors(tensors)
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "results": {}}
+    async with OffloadManager.for_kv(layout, n, backend="cuda") as mgr:
+        await mgr.pinned
+        engine = mgr._engine
+        assert isinstance(engine, CudaTransferEngine)
+        half = n // 2
+        nbytes = half * layout.host_block_bytes
+
+        async def one(direction: str) -> float:
+            g = torch.randperm(n)[:half].tolist()
+            c = torch.randperm(n)[:half].tolist()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if direction == "store":
+                await mgr.store(g, c, method="pack")
+            else:
+                await mgr.load(c, g, method="pack")
+            return time.perf_counter() - t0
+
+        for busy in (False, True):
+            stop = anyio.Event()
+            slices = 0
+
+            async def hog(stop: anyio.Event = stop) -> None:
+                nonlocal slices
+                while not stop.is_set():
+                    end = time.perf_counter() + 0.002
+                    x = 0
+                    while time.perf_counter() < end:
+                        x += 1
+                    slices += 1
+                    await anyio.lowlevel.checkpoint()
+
+            async with anyio.create_task_group() as tg:
+                if busy:
+                    tg.start_soon(hog)
+                for label, direction, threaded in (
+                    ("store, submitter thread", "store", True),
+                    ("store, queued on the loop", "store", False),
+                    ("load, queued on the loop", "load", True),
+                ):
+                    engine.thread_stores = threaded
+                    await one(direction)  # warm-up
+                    times = [await one(direction) for _ in range(args.repeats)]
+                    key = f"{'busy' if busy else 'idle'} loop: {label}"
+                    report["results"][key] = {
+                        "gbps": nbytes / statistics.median(times) / GB,
+                        "ms": [round(t * 1e3, 2) for t in times],
+                    }
+                    print(f"{key:<45} {report['results'][key]['gbps']:6.1f} GB/s", flush=True)
+                engine.thread_stores = True
+                stop.set()
+            report["results"][f"{'busy' if busy else 'idle'} slices"] = slices
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json-out")
+    args = parser.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
+    report = anyio.run(main_async, args)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
