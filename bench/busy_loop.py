@@ -44,7 +44,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         await mgr.pinned
         engine = mgr._engine
         assert isinstance(engine, CudaTransferEngine)
-        half = n // 2
+        half = args.blocks
         nbytes = half * layout.host_block_bytes
 
         async def one(direction: str) -> float:
@@ -52,10 +52,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             c = torch.randperm(n)[:half].tolist()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            if direction == "store":
-                await mgr.store(g, c, method="pack")
-            else:
-                await mgr.load(c, g, method="pack")
+            with anyio.fail_after(args.timeout):
+                if direction == "store":
+                    await mgr.store(g, c, method="pack")
+                else:
+                    await mgr.load(c, g, method="pack")
             return time.perf_counter() - t0
 
         for busy in (False, True):
@@ -76,19 +77,25 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 if busy:
                     tg.start_soon(hog)
                 for label, direction, threaded in (
-                    ("store, submitter thread", "store", True),
-                    ("store, queued on the loop", "store", False),
                     ("load, queued on the loop", "load", True),
+                    ("store, queued on the loop", "store", False),
+                    ("store, submitter thread", "store", True),
                 ):
                     engine.thread_stores = threaded
-                    await one(direction)  # warm-up
-                    times = [await one(direction) for _ in range(args.repeats)]
                     key = f"{'busy' if busy else 'idle'} loop: {label}"
-                    report["results"][key] = {
-                        "gbps": nbytes / statistics.median(times) / GB,
-                        "ms": [round(t * 1e3, 2) for t in times],
-                    }
-                    print(f"{key:<45} {report['results'][key]['gbps']:6.1f} GB/s", flush=True)
+                    times = []
+                    try:
+                        await one(direction)  # warm-up
+                        for _ in range(args.repeats):
+                            times.append(await one(direction))
+                    except TimeoutError:
+                        print(f"{key:<45} a transfer took over {args.timeout} s", flush=True)
+                    report["results"][key] = {"ms": [round(t * 1e3, 2) for t in times]}
+                    if times:
+                        gbps = nbytes / statistics.median(times) / GB
+                        report["results"][key]["gbps"] = gbps
+                        ms = " ".join(f"{t * 1e3:.0f}" for t in times)
+                        print(f"{key:<45} {gbps:6.1f} GB/s  ms: {ms}", flush=True)
                 engine.thread_stores = True
                 stop.set()
             report["results"][f"{'busy' if busy else 'idle'} slices"] = slices
@@ -98,6 +105,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--blocks", type=int, default=1024, help="blocks per transfer")
+    parser.add_argument("--timeout", type=float, default=20.0, help="seconds per transfer")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
