@@ -107,10 +107,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--blocks", type=int, default=1024, help="blocks per transfer")
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds per transfer")
+    parser.add_argument(
+        "--switch-interval", type=float, help="sys.setswitchinterval for the run (seconds)"
+    )
     parser.add_argument("--json-out")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    print(f"switch interval {sys.getswitchinterval() * 1e3:g} ms", flush=True)
     report = anyio.run(main_async, args)
+    report["switch_interval_s"] = sys.getswitchinterval()
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))
 
