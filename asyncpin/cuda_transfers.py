@@ -539,7 +539,8 @@ class CudaTransferEngine:
         return self._join(lane)
 
     def _ids_on_device(self, first: list[int], second: list[int]) -> torch.Tensor:
-        """``[2, n]`` int64 ids on the device, copied on the current torch stream."""
+        """``[2, n]`` int64 ids on the device, copied on the current torch stream (n > 0:
+        empty jobs finish in ``submit``, and ``torch.frombuffer`` refuses an empty buffer)."""
         # Four torch ops (a list-to-tensor conversion costs ~50 us per 1024 ids, and each
         # op may hand the GIL to another submitting thread). The pinned copy stays with
         # torch's host allocator until the device copy is done.
@@ -605,8 +606,8 @@ class CudaTransferEngine:
             for stream in dma:
                 self._after_caller(stream, job, lane)
         with torch.cuda.stream(kernel):
-            slots = list(range(per_piece)) * -(-n // per_piece)  # i % per_piece
-            ids = self._ids_on_device(job.gpu_ids, slots[:n])
+            slots = list(range(per_piece)) * (n // per_piece) + list(range(n % per_piece))
+            ids = self._ids_on_device(job.gpu_ids, slots)  # slot of block i: i % per_piece
             job.keep.append(ids)
             for lo in range(0, n, per_piece):
                 half = lane.half
