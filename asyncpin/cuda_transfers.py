@@ -680,7 +680,7 @@ class CudaTransferEngine:
         ``streams``; returns the address tensors to keep alive. A DMA must not span two
         registrations (the driver answers cudaErrorInvalidValue), so ranges are cut at
         chunk boundaries."""
-        host, device, sizes, _ = self._split_at_chunks(host, device, sizes)
+        host, device, sizes = self._split_at_chunks(host, device, sizes)
         k, keep = len(streams), []
         for i, stream in enumerate(streams):
             h, d, z = (t[i::k].contiguous() for t in (host, device, sizes))
@@ -706,40 +706,22 @@ class CudaTransferEngine:
         return [p for h, o, z in zip(host, other, sizes, strict=True) for p in self._cut(h, o, z)]
 
     def _split_at_chunks(
-        self,
-        host: torch.Tensor,
-        other: torch.Tensor,
-        sizes: torch.Tensor,
-        tag: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Ranges cut at chunk boundaries; ``tag`` (a non-decreasing label per range,
-        zeros if None) follows each range into its parts and stays non-decreasing."""
-        if tag is None:
-            tag = torch.zeros_like(host)
+        self, host: torch.Tensor, other: torch.Tensor, sizes: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Ranges cut at chunk boundaries (the ones that cross one go last, in parts)."""
         base, chunk = self._host_base, self._chunk_bytes
         crosses = (host - base) // chunk != (host + sizes - 1 - base) // chunk
         if not bool(crosses.any()):
-            return host, other, sizes, tag
-        parts = [
-            (*part, t)
-            for h, o, z, t in zip(
-                host[crosses].tolist(),
-                other[crosses].tolist(),
-                sizes[crosses].tolist(),
-                tag[crosses].tolist(),
-                strict=True,
-            )
-            for part in self._cut(h, o, z)
-        ]
+            return host, other, sizes
+        parts = self._cut_all(
+            host[crosses].tolist(), other[crosses].tolist(), sizes[crosses].tolist()
+        )
         extra = torch.tensor(parts, dtype=torch.int64)
         keep = ~crosses
-        tag = torch.cat([tag[keep], extra[:, 3]])
-        order = torch.argsort(tag, stable=True)
         return (
-            torch.cat([host[keep], extra[:, 0]])[order],
-            torch.cat([other[keep], extra[:, 1]])[order],
-            torch.cat([sizes[keep], extra[:, 2]])[order],
-            tag[order],
+            torch.cat([host[keep], extra[:, 0]]),
+            torch.cat([other[keep], extra[:, 1]]),
+            torch.cat([sizes[keep], extra[:, 2]]),
         )
 
     def close(self) -> None:

@@ -38,7 +38,7 @@ async def completions(slice_s: float, samples: int, limit_s: float) -> list[floa
                 x += 1
             await asyncio.sleep(0)
 
-    task = asyncio.ensure_future(hog())
+    task = asyncio.ensure_future(hog()) if slice_s > 0 else None  # 0: the loop idles
     await asyncio.sleep(0)
     out: list[float | None] = []
     for _ in range(samples):
@@ -57,7 +57,8 @@ async def completions(slice_s: float, samples: int, limit_s: float) -> list[floa
             out.append(None)
             await fut  # let the thread finish before the next sample
     stop = True
-    await task
+    if task is not None:
+        await task
     return out
 
 
@@ -71,10 +72,7 @@ def main() -> None:
     print(f"{'loop slice':>10} {'switch interval':>15}   thread result reached the loop after (ms)")
     for slice_ms, interval_ms in ((0, 5), (0.5, 5), (2, 5), (10, 5), (2, 0.5)):
         sys.setswitchinterval(interval_ms / 1e3)
-        if slice_ms == 0:  # the loop is idle: the thread's time alone
-            samples = asyncio.run(idle(args.samples))
-        else:
-            samples = asyncio.run(completions(slice_ms / 1e3, args.samples, args.limit))
+        samples = asyncio.run(completions(slice_ms / 1e3, args.samples, args.limit))
         ms = [None if s is None else round(s * 1e3, 1) for s in samples]
         done = [s for s in ms if s is not None]
         report["cases"].append(
@@ -91,23 +89,6 @@ def main() -> None:
     sys.setswitchinterval(0.005)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))
-
-
-async def idle(samples: int) -> list[float | None]:
-    loop = asyncio.get_running_loop()
-    out: list[float | None] = []
-    for _ in range(samples):
-        fut: asyncio.Future[None] = loop.create_future()
-
-        def work(fut: asyncio.Future[None] = fut) -> None:
-            time.sleep(0.005)
-            loop.call_soon_threadsafe(fut.set_result, None)
-
-        t0 = time.perf_counter()
-        threading.Thread(target=work, daemon=True).start()
-        await fut
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 if __name__ == "__main__":
