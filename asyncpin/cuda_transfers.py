@@ -46,6 +46,7 @@ import torch
 
 from asyncpin.cuda import _cudart
 from asyncpin.errors import BackendUnavailableError, TransferError
+from asyncpin.gate import outside_captures
 from asyncpin.kv import KVLayout
 from asyncpin.transfers import Direction, TransferJob, copy_in_thread
 
@@ -113,6 +114,8 @@ class _Runtime:
         self.batch = getattr(lib, "cudaMemcpyBatchAsync", None) if self.version >= 12080 else None
         # src order "stream" (1); prefer overlap with compute (1): leave the SMs alone.
         self.attrs = _MemcpyAttributes(1, _MemLocation(0, 0), _MemLocation(0, 0), 1)
+        # src order "during the API call" (2): the driver reads the source before returning.
+        self.upload_attrs = _MemcpyAttributes(2, _MemLocation(0, 0), _MemLocation(0, 0), 1)
         self.attr_index = (ctypes.c_size_t * 1)(0)
 
     def copy_segments(
@@ -123,24 +126,50 @@ class _Runtime:
         if count == 0:
             return
         if self.batch is not None:
-            args: list[Any] = [
-                ctypes.c_void_p(_pointer(dsts)),
-                ctypes.c_void_p(_pointer(srcs)),
-                ctypes.c_void_p(_pointer(sizes)),
-                ctypes.c_size_t(count),
-                ctypes.byref(self.attrs),
-                self.attr_index,
-                ctypes.c_size_t(1),
-            ]
-            if self.version < 13000:  # 12.8/12.9 had a failIdx out-parameter here
-                fail_index = ctypes.c_size_t(0)
-                args.append(ctypes.byref(fail_index))
-            args.append(ctypes.c_void_p(stream))
-            self._check("cudaMemcpyBatchAsync", self.batch(*args))
+            self._batch_call(dsts, srcs, sizes, self.attrs, stream)
             return
         for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
             code = self.lib.cudaMemcpyAsync(dst, src, size, _MEMCPY_DEFAULT, stream)
             self._check("cudaMemcpyAsync", code)
+
+    def upload(self, dst: int, src: array.array[int], stream: int) -> None:
+        """Copy ``src``, in pageable host memory, to device address ``dst`` in ``stream``'s
+        order. The driver reads ``src`` before returning (its "during the API call" source
+        order), so no pinned buffer is needed and ``src`` may be reused at once. Needs the
+        batched call (``self.batch``)."""
+        address, count = src.buffer_info()
+        nbytes = count * src.itemsize
+        self._batch_call(
+            array.array("Q", [dst]),
+            array.array("Q", [address]),
+            array.array("Q", [nbytes]),
+            self.upload_attrs,
+            stream,
+        )
+
+    def _batch_call(
+        self,
+        dsts: Addresses,
+        srcs: Addresses,
+        sizes: Addresses,
+        attrs: _MemcpyAttributes,
+        stream: int,
+    ) -> None:
+        args: list[Any] = [
+            ctypes.c_void_p(_pointer(dsts)),
+            ctypes.c_void_p(_pointer(srcs)),
+            ctypes.c_void_p(_pointer(sizes)),
+            ctypes.c_size_t(len(dsts)),
+            ctypes.byref(attrs),
+            self.attr_index,
+            ctypes.c_size_t(1),
+        ]
+        if self.version < 13000:  # 12.8/12.9 had a failIdx out-parameter here
+            fail_index = ctypes.c_size_t(0)
+            args.append(ctypes.byref(fail_index))
+        args.append(ctypes.c_void_p(stream))
+        assert self.batch is not None
+        self._check("cudaMemcpyBatchAsync", self.batch(*args))
 
     def event(self) -> int:
         """A raw event for ordering streams (no timing, so recording it is cheap)."""
@@ -222,7 +251,10 @@ class _Waiter(_Worker):
     def _handle(self, item: Any) -> None:
         event, report = item
         try:
-            event.synchronize()  # a blocking-sync event: the thread sleeps
+            # Waiting on an event would break a graph capture under way on another
+            # thread: not while the capture gate is held.
+            with outside_captures():
+                event.synchronize()  # a blocking-sync event: the thread sleeps
         except BaseException as exc:
             report(exc)
         else:
@@ -278,9 +310,13 @@ def _load_kernel() -> Any:
 
 
 class _Lane:
-    """One direction's streams, ordering events and staging buffer."""
+    """One direction's streams, ordering events, and the device buffers its copy kernels
+    use: the block ids of a job (room for the most a job of this direction can have) and
+    the pack method's staging. Both are allocated up front where they will be used:
+    allocating device memory while another thread captures a CUDA graph fails and breaks
+    the capture."""
 
-    def __init__(self, rt: _Runtime, device: torch.device) -> None:
+    def __init__(self, rt: _Runtime, device: torch.device, max_ids: int) -> None:
         self.kernel = torch.cuda.Stream(device)
         self.dma = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         self.pageable = torch.cuda.Stream(device)  # used from a worker thread only
@@ -293,9 +329,26 @@ class _Lane:
         # free[h][k]: staging half h may be written again, as far as DMA stream k is
         # concerned (store: stream k has read it; load: the kernel has drained it).
         self.free = [[rt.event(), rt.event()], [rt.event(), rt.event()]]
+        # Written and read on the kernel stream only, so each job may reuse them.
+        with torch.cuda.stream(self.kernel):
+            self.ids = torch.empty(2 * max_ids, dtype=torch.int64, device=device)
         self.staging: torch.Tensor | None = None
         self.halves = (0, 0)  # the two halves' device addresses
         self.half = 0  # the staging half the next piece uses
+
+    def allocate_staging(self, rt: _Runtime, host_block_bytes: int) -> torch.Tensor:
+        """Allocated on the kernel stream, which the DMA streams wait for: torch's allocator
+        may hand out memory whose last user is still queued on the stream the allocation
+        is made on, so it must be a stream this lane orders after."""
+        per_half = max(_STAGING_BYTES // 2 // host_block_bytes, 1)
+        with torch.cuda.stream(self.kernel):
+            self.staging = torch.empty(
+                (2, per_half * host_block_bytes), dtype=torch.uint8, device=self.kernel.device
+            )
+        self.halves = (self.staging[0].data_ptr(), self.staging[1].data_ptr())
+        for event in (*self.free[0], *self.free[1]):
+            rt.record(event, self.kernel.cuda_stream)
+        return self.staging
 
     def events(self) -> list[int]:
         return [self.ready, self.last, self.step, *self.moved, *self.free[0], *self.free[1]]
@@ -321,11 +374,16 @@ class CudaTransferEngine:
 
         self._rt = _Runtime()
         self._kernel = _load_kernel() if layout.block_bytes % 8 == 0 else None
+        # A store's host blocks are distinct, and so are a load's device blocks.
+        max_ids = {"store": host_blocks.shape[0], "load": layout.num_blocks}
         with torch.cuda.device(self._index):
             self._lanes: dict[Direction, _Lane] = {
-                "store": _Lane(self._rt, self._device),
-                "load": _Lane(self._rt, self._device),
+                d: _Lane(self._rt, self._device, max_ids[d] if self._kernel else 0)
+                for d in ("store", "load")
             }
+            if self._kernel is not None and layout.block_bytes < _BATCH_MIN_BLOCK_BYTES:
+                for lane in self._lanes.values():  # pack is this layout's usual method
+                    lane.allocate_staging(self._rt, layout.host_block_bytes)
         self._waiters = {d: _Waiter(f"asyncpin-{d}-waiter") for d in ("store", "load")}
         self._submitter = _Submitter("asyncpin-store-submitter", self._enqueue, self._report)
         self._host_base = host_blocks.data_ptr()
@@ -479,7 +537,7 @@ class CudaTransferEngine:
         part in the order of pinned jobs. Whatever happens, the thread returns only once
         the stream has drained, so nothing the copy touches is released early."""
         stream = self._lanes[job.transfer.direction].pageable
-        with self._on_device():
+        with outside_captures(), self._on_device():
             try:
                 stream.wait_event(job.ready)
                 device, host = self.segments(job.gpu_ids, job.cpu_ids)
@@ -538,14 +596,23 @@ class CudaTransferEngine:
         )
         return self._join(lane)
 
-    def _ids_on_device(self, first: list[int], second: list[int]) -> torch.Tensor:
-        """``[2, n]`` int64 ids on the device, copied on the current torch stream (n > 0:
-        empty jobs finish in ``submit``, and ``torch.frombuffer`` refuses an empty buffer)."""
-        # Four torch ops (a list-to-tensor conversion costs ~50 us per 1024 ids, and each
-        # op may hand the GIL to another submitting thread). The pinned copy stays with
-        # torch's host allocator until the device copy is done.
-        flat = torch.frombuffer(array.array("q", [*first, *second]), dtype=torch.int64)
-        return flat.pin_memory().view(2, len(first)).to(self._device, non_blocking=True)
+    def _ids_on_device(self, lane: _Lane, first: list[int], second: list[int]) -> torch.Tensor:
+        """``[2, n]`` int64 ids in the lane's device buffer, copied on its kernel stream, on
+        which every reader of the buffer runs (n > 0: empty jobs finish in ``submit``).
+
+        The ids go up from pageable memory in one batched call that reads them before it
+        returns: no pinned buffer, so no call that a CUDA graph capture on another thread
+        forbids (torch's pinned-memory cache queries events to reuse its blocks)."""
+        n = len(first)
+        ids = lane.ids[: 2 * n].view(2, n)
+        flat = array.array("q", [*first, *second])
+        if self._rt.batch is not None:
+            self._rt.upload(ids.data_ptr(), flat, lane.kernel.cuda_stream)
+            return ids
+        # No batched call (CUDA < 12.8): through torch's pinned-memory cache.
+        pinned = torch.frombuffer(flat, dtype=torch.int64).pin_memory()
+        with torch.cuda.stream(lane.kernel):
+            return ids.copy_(pinned.view(2, n), non_blocking=True)
 
     def _launch(self, ids: torch.Tensor, host_base: int, *, to_host: bool, ctas: int) -> None:
         """The copy kernel on the current torch stream: block ``ids[0, i]`` of every array
@@ -570,8 +637,7 @@ class CudaTransferEngine:
         direction = job.transfer.direction
         self._start(lane.kernel, job, lane)
         with torch.cuda.stream(lane.kernel):
-            ids = self._ids_on_device(job.gpu_ids, job.cpu_ids)
-            job.keep.append(ids)
+            ids = self._ids_on_device(lane, job.gpu_ids, job.cpu_ids)
             self._launch(
                 ids, self._host_base, to_host=direction == "store", ctas=KERNEL_CTAS[direction]
             )
@@ -586,19 +652,10 @@ class CudaTransferEngine:
         store = job.transfer.direction == "store"
         kernel, dma = lane.kernel, lane.dma
         self._start(kernel, job, lane)
-        if lane.staging is None:
-            # Allocated on the kernel stream, which the DMA streams then wait for: torch's
-            # allocator may hand out memory whose last user is still queued on the stream
-            # the allocation is made on, so it must be a stream this lane orders after.
-            per_half = max(_STAGING_BYTES // 2 // layout.host_block_bytes, 1)
-            with torch.cuda.stream(kernel):
-                lane.staging = torch.empty(
-                    (2, per_half * layout.host_block_bytes), dtype=torch.uint8, device=self._device
-                )
-            lane.halves = (lane.staging[0].data_ptr(), lane.staging[1].data_ptr())
-            for event in (*lane.free[0], *lane.free[1]):
-                rt.record(event, kernel.cuda_stream)
-        per_piece = lane.staging.shape[1] // layout.host_block_bytes
+        buffer = lane.staging
+        if buffer is None:  # pack is not this layout's usual method: allocated on first use
+            buffer = lane.allocate_staging(rt, layout.host_block_bytes)
+        per_piece = buffer.shape[1] // layout.host_block_bytes
         n = job.transfer.num_blocks
         if not store:
             # A load's DMAs read host blocks that work on the caller's stream may still
@@ -607,8 +664,7 @@ class CudaTransferEngine:
                 self._after_caller(stream, job, lane)
         with torch.cuda.stream(kernel):
             slots = list(range(per_piece)) * (n // per_piece) + list(range(n % per_piece))
-            ids = self._ids_on_device(job.gpu_ids, slots)  # slot of block i: i % per_piece
-            job.keep.append(ids)
+            ids = self._ids_on_device(lane, job.gpu_ids, slots)  # slot of block i: i % per_piece
             for lo in range(0, n, per_piece):
                 half = lane.half
                 lane.half ^= 1
@@ -732,6 +788,6 @@ class CudaTransferEngine:
         # is collected.
         self._ptrs = self._strides = torch.empty(0, dtype=torch.int64)
         for lane in self._lanes.values():
-            lane.staging = None
+            lane.staging, lane.ids = None, self._ptrs
             for event in lane.events():
                 self._rt.destroy(event)

@@ -125,6 +125,26 @@ def _unhold_all() -> None:
         _cond.notify_all()
 
 
+@contextmanager
+def outside_captures() -> Iterator[None]:
+    """For a CUDA call that a capture must not overlap, made from any thread other than
+    the capturing one: waits while the process-wide gate is held, and keeps it from being
+    taken until the block exits. A graph capture forbids such calls (waiting on or querying
+    an event, allocating pinned memory) in every other thread; one that is already waiting
+    when the capture begins is allowed, but the gate cannot tell that moment apart."""
+    global _global_in_flight
+    with _cond:
+        while _global_holders:
+            _cond.wait()
+        _global_in_flight += 1
+    try:
+        yield
+    finally:
+        with _cond:
+            _global_in_flight -= 1
+            _cond.notify_all()
+
+
 def capture_gate() -> PausedContext:
     """Pause pin and unpin calls of every manager in the process (``with`` or ``async with``).
 

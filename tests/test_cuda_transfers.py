@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, ClassVar
@@ -12,7 +13,7 @@ import anyio.lowlevel
 import pytest
 import torch
 
-from asyncpin import KVLayout, OffloadManager, Transfer, TransferError
+from asyncpin import KVLayout, OffloadManager, Transfer, TransferError, capture_gate
 
 pytestmark = pytest.mark.cuda
 
@@ -335,3 +336,61 @@ class TestAwaiting:
                 await transfer
             _check_host(mgr, layout, gpu, cpu)
             assert mgr.stats().transfers_in_flight == 0
+
+
+class TestGraphCaptures:
+    """Transfers run while another thread captures CUDA graphs through the capture gate:
+    no capture fails, no transfer fails, every block arrives (bench/capture_probe.py:
+    without the gate, the completion waiters and pinned id buffers broke nearly every
+    capture)."""
+
+    async def test_captures_on_another_thread_while_transferring(self) -> None:
+        async with kv_manager() as (mgr, layout):
+            half = BLOCKS // 2
+            methods: list[Any] = METHODS
+            for m in methods:  # Triton compiles and loads its kernel outside a capture
+                await mgr.store([0], [0], method=m)
+                await mgr.load([0], [half], method=m)
+            source = [a[:half].clone() for a in layout.arrays]  # never written below
+            torch.cuda.synchronize()
+
+            stop, counts, errors = threading.Event(), {"captures": 0}, []
+
+            def capture() -> None:
+                x = torch.ones(1 << 16, device="cuda")
+                while not stop.is_set():
+                    graph = torch.cuda.CUDAGraph()
+                    try:
+                        with capture_gate(), torch.cuda.graph(graph):
+                            y = x * 2
+                            for _ in range(20):
+                                y = y + 1
+                        graph.replay()
+                        torch.cuda.current_stream().synchronize()
+                        if not bool((y == 22).all()):
+                            errors.append("a replay computed something else")
+                    except Exception as exc:
+                        errors.append(f"capture: {exc}")
+                    counts["captures"] += 1
+
+            thread = threading.Thread(target=capture)
+            thread.start()
+            final: dict[int, int] = {}  # device block -> the source block it holds
+            try:
+                with anyio.fail_after(120):
+                    for r in range(24):
+                        m = methods[r % len(methods)]
+                        gpu, cpu = _ids(64, half), _ids(64, HOST_BLOCKS)
+                        dest = [half + b for b in _ids(64, half)]
+                        await mgr.store(gpu, cpu, method=m)
+                        await mgr.load(cpu, dest, method=m)
+                        final.update(zip(dest, gpu, strict=True))
+                    captures_meanwhile = counts["captures"]
+            finally:
+                stop.set()
+                thread.join(60)
+            assert errors == [] and captures_meanwhile > 0
+            assert mgr.stats().transfers_failed == 0
+            dest, src = list(final), list(final.values())
+            for a, array in enumerate(layout.arrays):
+                assert torch.equal(array[dest], source[a][src]), f"array {a} differs"

@@ -1,0 +1,83 @@
+"""The CUDA engine's completion waiters keep out of CUDA graph captures (no GPU needed).
+
+A capture in torch's default mode forbids waiting on an event from any other thread: the
+wait fails and the capture is invalidated (bench/capture_probe.py, on the H200). So a
+waiter does not begin a wait while the process-wide capture gate is held, and a capture
+does not begin while a waiter is inside one. Stand-in events record what the gate looked
+like when they were waited on.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+import asyncpin.gate
+from asyncpin import capture_gate
+from asyncpin.cuda_transfers import _Waiter
+
+TIMEOUT_S = 10.0
+# How long a wait that must not happen is given to happen anyway. Without the gate the
+# waiter thread would reach it in well under a millisecond.
+NEGATIVE_S = 0.2
+
+
+class _Event:
+    """Records whether the capture gate was held when it was waited on."""
+
+    def __init__(self, block: threading.Event | None = None) -> None:
+        self.entered = threading.Event()
+        self.held_when_entered: bool | None = None
+        self._block = block
+
+    def synchronize(self) -> None:
+        self.held_when_entered = asyncpin.gate._global_holders > 0
+        self.entered.set()
+        if self._block is not None:
+            assert self._block.wait(TIMEOUT_S)
+
+
+@pytest.fixture
+def waiter() -> Any:
+    w = _Waiter("test-waiter")
+    yield w
+    w.close()
+
+
+def test_a_wait_waits_for_the_capture_gate(waiter: _Waiter) -> None:
+    event, reported = _Event(), threading.Event()
+    errors: list[BaseException | None] = []
+
+    def report(error: BaseException | None) -> None:
+        errors.append(error)
+        reported.set()
+
+    with capture_gate():
+        waiter.submit(event, report)
+        assert not event.entered.wait(NEGATIVE_S), "waited on an event during a capture"
+    assert reported.wait(TIMEOUT_S)
+    assert event.held_when_entered is False and errors == [None]
+
+
+def test_a_capture_waits_for_a_wait_under_way(waiter: _Waiter) -> None:
+    release = threading.Event()
+    event, reported = _Event(block=release), threading.Event()
+    waiter.submit(event, lambda error: reported.set())
+    assert event.entered.wait(TIMEOUT_S)
+
+    held = threading.Event()
+
+    def capture() -> None:
+        with capture_gate():
+            held.set()
+
+    thread = threading.Thread(target=capture)
+    thread.start()
+    assert not held.wait(NEGATIVE_S), "the gate was taken while a wait was under way"
+    release.set()
+    assert held.wait(TIMEOUT_S) and reported.wait(TIMEOUT_S)
+    thread.join(TIMEOUT_S)
+    assert event.held_when_entered is False
+    assert asyncpin.gate._global_in_flight == 0 and asyncpin.gate._global_holders == 0
