@@ -4,7 +4,12 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Triton compiles a variant per alignment of each pointer and per value class of each
+# integer (1, a multiple of 16, other) it is given. The id arrays' alignment and the
+# segment count change from one transfer to the next: compiling a variant mid-serving
+# stalls the submitting thread, and loading it breaks a CUDA graph capture under way on
+# another thread. So those three are not specialised; the rest are fixed per layout.
+@triton.jit(do_not_specialize=["gpu_ids", "cpu_ids", "n_segments"])
 def kv_copy(
     gpu_ids,
     cpu_ids,

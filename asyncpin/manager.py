@@ -255,6 +255,9 @@ class OffloadManager:
             or num_host_blocks < 1
         ):
             raise ConfigError(f"num_host_blocks must be an int >= 1, got {num_host_blocks!r}")
+        if layout.device.type == "cuda":
+            # Pinned for the GPU the blocks move to, whichever device is current.
+            kwargs.setdefault("device", layout.device.index)
         return cls(
             layout.host_block_bytes * num_host_blocks,
             kv_layout=layout,

@@ -394,3 +394,29 @@ class TestGraphCaptures:
             dest, src = list(final), list(final.values())
             for a, array in enumerate(layout.arrays):
                 assert torch.equal(array[dest], source[a][src]), f"array {a} differs"
+
+
+class TestKernelVariants:
+    """Transfers of any size reuse the copy kernel compiled for their direction: a new
+    variant mid-serving would stall the submitting thread while Triton compiles it, and
+    loading it would break a graph capture under way on another thread."""
+
+    async def test_no_new_variant_for_other_sizes(self) -> None:
+        from asyncpin._kernels import kv_copy
+
+        caches = getattr(kv_copy, "device_caches", None)
+        if caches is None:
+            pytest.skip("this Triton keeps its compiled kernels elsewhere")
+        methods: list[Any] = ["pack", "kernel"]
+        async with kv_manager() as (mgr, _):
+            for m in methods:
+                await mgr.store(_ids(2, BLOCKS), _ids(2, HOST_BLOCKS), method=m)
+                await mgr.load(_ids(2, HOST_BLOCKS), _ids(2, BLOCKS), method=m)
+            compiled = caches[torch.cuda.current_device()][0]
+            before = len(compiled)
+            assert before > 0, "the warm-up compiled nothing that this test can see"
+            for n in (1, 3, 16, 17, 33, 64, 65, 511):
+                for m in methods:
+                    await mgr.store(_ids(n, BLOCKS), _ids(n, HOST_BLOCKS), method=m)
+                    await mgr.load(_ids(n, HOST_BLOCKS), _ids(n, BLOCKS), method=m)
+            assert len(compiled) == before

@@ -14,6 +14,7 @@ hanging a shielded close.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -1109,6 +1110,27 @@ class TestBadLayout:
 
 
 # -- empty transfers, the handle, stats -------------------------------------------------
+
+
+class TestPinDevice:
+    """A KV manager pins for its layout's GPU, not whichever device is current."""
+
+    @pytest.mark.parametrize(("given", "expected"), [({}, 1), ({"device": 0}, 0)])
+    def test_for_kv_resolves_the_backend_for_the_layout_device(
+        self, monkeypatch: pytest.MonkeyPatch, given: dict[str, int], expected: int
+    ) -> None:
+        asked: list[int | None] = []
+
+        def resolve(backend: Any, device: int | None = None) -> FakeBackend:
+            asked.append(device)
+            return FakeBackend()
+
+        monkeypatch.setattr("asyncpin.manager.resolve_backend", resolve)
+        layout = dataclasses.replace(
+            KVLayout.from_tensors([torch.ones(4, 8)]), device=torch.device("cuda", 1)
+        )
+        OffloadManager.for_kv(layout, 2, backend="cuda", **given)
+        assert asked == [expected]
 
 
 class TestEmptyTransfers:
