@@ -312,9 +312,9 @@ def _load_kernel() -> Any:
 class _Lane:
     """One direction's streams, ordering events, and the device buffers its copy kernels
     use: the block ids of a job (room for the most a job of this direction can have) and
-    the pack method's staging. Both are allocated up front where they will be used:
-    allocating device memory while another thread captures a CUDA graph fails and breaks
-    the capture."""
+    the pack method's staging. The engine makes lanes at open (``prepare``), with the
+    staging where pack is the layout's default method: allocating device memory while
+    another thread captures a CUDA graph fails and breaks the capture."""
 
     def __init__(self, rt: _Runtime, device: torch.device, max_ids: int) -> None:
         self.kernel = torch.cuda.Stream(device)
@@ -341,6 +341,7 @@ class _Lane:
         may hand out memory whose last user is still queued on the stream the allocation
         is made on, so it must be a stream this lane orders after."""
         per_half = max(_STAGING_BYTES // 2 // host_block_bytes, 1)
+        per_half += per_half * host_block_bytes % 16 // 8  # both halves 16-byte aligned
         with torch.cuda.stream(self.kernel):
             self.staging = torch.empty(
                 (2, per_half * host_block_bytes), dtype=torch.uint8, device=self.kernel.device
@@ -374,19 +375,11 @@ class CudaTransferEngine:
 
         self._rt = _Runtime()
         self._kernel = _load_kernel() if layout.block_bytes % 8 == 0 else None
-        # A store's host blocks are distinct, and so are a load's device blocks.
-        max_ids = {"store": host_blocks.shape[0], "load": layout.num_blocks}
-        with torch.cuda.device(self._index):
-            self._lanes: dict[Direction, _Lane] = {
-                d: _Lane(self._rt, self._device, max_ids[d] if self._kernel else 0)
-                for d in ("store", "load")
-            }
-            if self._kernel is not None and layout.block_bytes < _BATCH_MIN_BLOCK_BYTES:
-                for lane in self._lanes.values():  # pack is this layout's usual method
-                    lane.allocate_staging(self._rt, layout.host_block_bytes)
+        self._lanes: dict[Direction, _Lane] = {}  # made by prepare()
         self._waiters = {d: _Waiter(f"asyncpin-{d}-waiter") for d in ("store", "load")}
         self._submitter = _Submitter("asyncpin-store-submitter", self._enqueue, self._report)
         self._host_base = host_blocks.data_ptr()
+        self._num_host_blocks = host_blocks.shape[0]
         ptrs = [a.data_ptr() for a in layout.arrays]
         strides = [a.stride(0) * layout.dtype.itemsize for a in layout.arrays]
         # The same table three ways: python (small transfers), CPU and device tensors.
@@ -394,8 +387,7 @@ class CudaTransferEngine:
         self._offsets = [a * layout.block_bytes for a in range(layout.num_arrays)]
         self._ptrs_cpu = torch.tensor(ptrs, dtype=torch.int64)
         self._strides_cpu = torch.tensor(strides, dtype=torch.int64)
-        self._ptrs = self._ptrs_cpu.to(self._device)
-        self._strides = self._strides_cpu.to(self._device)
+        self._ptrs = self._strides = torch.empty(0, dtype=torch.int64)  # on the device: prepare()
         self._arange_arrays = torch.arange(layout.num_arrays, dtype=torch.int64)
         # Host blocks start at the region's start, as chunks do: no block crosses a
         # registration boundary when blocks tile chunks.
@@ -403,6 +395,34 @@ class CudaTransferEngine:
 
     def methods(self) -> tuple[str, ...]:
         return ("batch", "pack", "kernel") if self._kernel is not None else ("batch",)
+
+    def prepare(self) -> None:
+        """Streams, events and device buffers, then the copy kernel compiled and loaded for
+        both directions by launching it over no segment. All of it in a worker thread at
+        open, and none of it while a graph capture is under way on another thread: a
+        device allocation, a stream synchronisation or a module load would break it.
+        Compiling mid-serving would also stall the submitting thread. The kernel variants
+        are the ones transfers use: it is specialised on its base address's alignment,
+        and the region and both staging halves are 16-byte aligned."""
+        layout, rt = self._layout, self._rt
+        # A store's host blocks are distinct, and so are a load's device blocks.
+        max_ids = {"store": self._num_host_blocks, "load": layout.num_blocks}
+        with outside_captures(), torch.cuda.device(self._index):
+            self._ptrs = self._ptrs_cpu.to(self._device)
+            self._strides = self._strides_cpu.to(self._device)
+            for d in ("store", "load"):
+                lane = _Lane(rt, self._device, max_ids[d] if self._kernel else 0)
+                if self._kernel is not None and layout.block_bytes < _BATCH_MIN_BLOCK_BYTES:
+                    lane.allocate_staging(rt, layout.host_block_bytes)  # pack is the default
+                self._lanes[d] = lane
+            if self._kernel is None:
+                return
+            for d, lane in self._lanes.items():
+                ids = lane.ids[:2].view(2, 1)
+                with torch.cuda.stream(lane.kernel):
+                    for base in (self._host_base, *(h for h in lane.halves if h)):
+                        self._launch(ids, base, to_host=d == "store", ctas=1, count=0)
+                lane.kernel.synchronize()
 
     def record_ready(self) -> Any:
         event = torch.cuda.Event()
@@ -609,18 +629,23 @@ class CudaTransferEngine:
         if self._rt.batch is not None:
             self._rt.upload(ids.data_ptr(), flat, lane.kernel.cuda_stream)
             return ids
-        # No batched call (CUDA < 12.8): through torch's pinned-memory cache.
-        pinned = torch.frombuffer(flat, dtype=torch.int64).pin_memory()
+        # No batched call (CUDA < 12.8): through torch's pinned-memory cache, which a
+        # capture under way on another thread forbids: held back until it ends.
+        with outside_captures():
+            pinned = torch.frombuffer(flat, dtype=torch.int64).pin_memory()
         with torch.cuda.stream(lane.kernel):
             return ids.copy_(pinned.view(2, n), non_blocking=True)
 
-    def _launch(self, ids: torch.Tensor, host_base: int, *, to_host: bool, ctas: int) -> None:
+    def _launch(
+        self, ids: torch.Tensor, host_base: int, *, to_host: bool, ctas: int, count: int = -1
+    ) -> None:
         """The copy kernel on the current torch stream: block ``ids[0, i]`` of every array
-        to or from slot ``ids[1, i]`` of a block-major buffer at ``host_base``."""
+        to or from slot ``ids[1, i]`` of a block-major buffer at ``host_base`` (``count``
+        blocks: all of ``ids`` by default)."""
         layout = self._layout
         assert self._kernel is not None
-        n_segments = ids.shape[1] * layout.num_arrays
-        self._kernel[(min(ctas, n_segments),)](
+        n_segments = (ids.shape[1] if count < 0 else count) * layout.num_arrays
+        self._kernel[(max(min(ctas, n_segments), 1),)](
             ids[0],
             ids[1],
             self._ptrs,

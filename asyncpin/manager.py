@@ -322,7 +322,12 @@ class OffloadManager:
         if self._layout is not None:
             try:
                 self._engine = self._make_engine(region)
+                # Off the event loop: compiling a copy kernel can take a second.
+                await anyio.to_thread.run_sync(self._engine.prepare)
             except BaseException:
+                if self._engine is not None:
+                    self._engine.close()
+                    self._engine = None
                 await self._tg.__aexit__(None, None, None)
                 region.release()
                 raise

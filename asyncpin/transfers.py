@@ -131,6 +131,10 @@ class TransferEngine(Protocol):
 
     def record_ready(self) -> Any: ...
 
+    def prepare(self) -> None:
+        """Called once, in a worker thread, before the first transfer: allocate device
+        resources and compile kernels, so that none of it happens mid-serving."""
+
     def close(self) -> None: ...
 
 
@@ -230,6 +234,9 @@ class HostTransferEngine:
 
     def methods(self) -> tuple[str, ...]:
         return ("host",)
+
+    def prepare(self) -> None:
+        """Nothing to prepare: copies are torch CPU ops."""
 
     def record_ready(self) -> None:
         return None

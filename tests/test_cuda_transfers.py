@@ -174,6 +174,42 @@ class TestSubmissionOrder:
                 assert bool((array[gpu] == 2).all()), "an earlier load landed last"
 
 
+class TestQueuedBackToBack:
+    """Two jobs of one direction queued before either runs move their own blocks: the
+    device id buffer they share is rewritten in stream order, after the first job's
+    kernels have read it."""
+
+    @pytest.mark.parametrize("method", ["pack", "kernel"])
+    async def test_two_stores(self, method: str) -> None:
+        async with kv_manager() as (mgr, layout):
+            gpu, cpu = _ids(600, BLOCKS), _ids(600, HOST_BLOCKS)
+            torch.cuda._sleep(200_000_000)  # the caller's stream holds both jobs back
+            first = mgr.store(gpu[:300], cpu[:300], method=method)  # type: ignore[arg-type]
+            second = mgr.store(gpu[300:], cpu[300:], method=method)  # type: ignore[arg-type]
+            assert not first.done()
+            with anyio.fail_after(60):
+                await first
+                await second
+            _check_host(mgr, layout, gpu, cpu)
+
+    @pytest.mark.parametrize("method", ["pack", "kernel"])
+    async def test_two_loads(self, method: str) -> None:
+        async with kv_manager() as (mgr, layout):
+            gpu, cpu = _ids(600, BLOCKS), _ids(600, HOST_BLOCKS)
+            host = mgr.host_blocks()
+            host[cpu] = torch.randn(host[cpu].shape).to(host.dtype)
+            torch.cuda._sleep(200_000_000)
+            first = mgr.load(cpu[:300], gpu[:300], method=method)  # type: ignore[arg-type]
+            second = mgr.load(cpu[300:], gpu[300:], method=method)  # type: ignore[arg-type]
+            assert not first.done()
+            with anyio.fail_after(60):
+                await first
+                await second
+            expected = host[cpu].to("cuda")
+            for a, array in enumerate(layout.arrays):
+                assert torch.equal(array[gpu], expected[:, a]), f"array {a} differs"
+
+
 class TestStoreSubmitter:
     """Large stores are queued by a thread of their own; order and failures still hold."""
 
@@ -347,10 +383,7 @@ class TestGraphCaptures:
     async def test_captures_on_another_thread_while_transferring(self) -> None:
         async with kv_manager() as (mgr, layout):
             half = BLOCKS // 2
-            methods: list[Any] = METHODS
-            for m in methods:  # Triton compiles and loads its kernel outside a capture
-                await mgr.store([0], [0], method=m)
-                await mgr.load([0], [half], method=m)
+            methods: list[Any] = METHODS  # no warm-up: kernels are compiled at open
             source = [a[:half].clone() for a in layout.arrays]  # never written below
             torch.cuda.synchronize()
 
@@ -397,26 +430,29 @@ class TestGraphCaptures:
 
 
 class TestKernelVariants:
-    """Transfers of any size reuse the copy kernel compiled for their direction: a new
-    variant mid-serving would stall the submitting thread while Triton compiles it, and
-    loading it would break a graph capture under way on another thread."""
+    """The manager compiles the copy kernel at open, and transfers of any size reuse it:
+    a variant compiled mid-serving would stall the submitting thread, and loading it
+    would break a graph capture under way on another thread."""
 
-    async def test_no_new_variant_for_other_sizes(self) -> None:
+    async def test_compiled_at_open_and_no_new_variant_after(self) -> None:
         from asyncpin._kernels import kv_copy
 
         caches = getattr(kv_copy, "device_caches", None)
         if caches is None:
             pytest.skip("this Triton keeps its compiled kernels elsewhere")
+        compiled = caches[torch.cuda.current_device()][0]
+        # Three layers, K and V split: six arrays, a count no other test's layout has,
+        # so this layout's variants are new to the process.
+        kv = [torch.randn(2, 256, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(3)]
+        layout = KVLayout.from_tensors(kv, block_dim=1)
         methods: list[Any] = ["pack", "kernel"]
-        async with kv_manager() as (mgr, _):
-            for m in methods:
-                await mgr.store(_ids(2, BLOCKS), _ids(2, HOST_BLOCKS), method=m)
-                await mgr.load(_ids(2, HOST_BLOCKS), _ids(2, BLOCKS), method=m)
-            compiled = caches[torch.cuda.current_device()][0]
-            before = len(compiled)
-            assert before > 0, "the warm-up compiled nothing that this test can see"
-            for n in (1, 3, 16, 17, 33, 64, 65, 511):
+        before_open = len(compiled)
+        async with OffloadManager.for_kv(layout, 256, backend="cuda") as mgr:
+            after_open = len(compiled)
+            assert after_open > before_open, "opening compiled nothing"
+            await mgr.pinned
+            for n in (1, 2, 3, 16, 17, 33, 64, 65, 255):
                 for m in methods:
-                    await mgr.store(_ids(n, BLOCKS), _ids(n, HOST_BLOCKS), method=m)
-                    await mgr.load(_ids(n, HOST_BLOCKS), _ids(n, BLOCKS), method=m)
-            assert len(compiled) == before
+                    await mgr.store(_ids(n, 256), _ids(n, 256), method=m)
+                    await mgr.load(_ids(n, 256), _ids(n, 256), method=m)
+            assert len(compiled) == after_open
