@@ -313,24 +313,19 @@ class OffloadManager:
                 gate=self._gate,
             )
             self._tg = anyio.create_task_group()
+            if self._layout is not None:
+                self._engine = self._make_engine(region)
+                # Off the event loop: compiling a copy kernel can take a second.
+                await anyio.to_thread.run_sync(self._engine.prepare)
             await self._tg.__aenter__()
-        except BaseException:
+        except BaseException:  # a cancellation included
+            if self._engine is not None:
+                self._engine.close()
+                self._engine = None
             region.release()
             raise
         self._region = region
         self._scheduler.on_progress = self._on_pin_progress
-        if self._layout is not None:
-            try:
-                self._engine = self._make_engine(region)
-                # Off the event loop: compiling a copy kernel can take a second.
-                await anyio.to_thread.run_sync(self._engine.prepare)
-            except BaseException:
-                if self._engine is not None:
-                    self._engine.close()
-                    self._engine = None
-                await self._tg.__aexit__(None, None, None)
-                region.release()
-                raise
         self._state = ManagerState.OPEN
         self._loop_thread = threading.get_ident()
         self._tg.start_soon(self._run_pinning)

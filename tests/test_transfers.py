@@ -40,6 +40,7 @@ from asyncpin import (
     TransferError,
     _sys,
 )
+from asyncpin.region import HostRegion
 from asyncpin.testing import FakeBackend, is_mapped
 from asyncpin.transfers import HostTransferEngine, TransferJob
 from tests.helpers import releasing, wait_thread_event
@@ -1263,3 +1264,29 @@ class TestCancelledManager:
             assert isinstance(transfer.error, anyio.ClosedResourceError | TransferError)
             with pytest.raises((anyio.ClosedResourceError, TransferError)):
                 await transfer
+
+    async def test_cancelled_while_the_engine_prepares_releases_everything(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # Entering a KV manager prepares the engine in a worker thread, a point where a
+        # cancellation is delivered: the region must still be released.
+        created: list[tuple[int, int]] = []
+        create = HostRegion.create
+
+        def record(*args: Any, **kwargs: Any) -> HostRegion:
+            region = create(*args, **kwargs)
+            created.append((region.address, region.nbytes))
+            return region
+
+        monkeypatch.setattr(HostRegion, "create", record)
+        fake = FakeBackend()
+        layout = KVLayout.from_tensors([torch.randint(1, 255, (8, 4096), dtype=torch.uint8)])
+        mgr = OffloadManager.for_kv(layout, 8, backend=fake, chunk_bytes=4096)
+        with anyio.fail_after(TIMEOUT_S):
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                async with mgr:
+                    raise AssertionError("entered a cancelled scope")
+        assert scope.cancelled_caught and len(created) == 1
+        assert not is_mapped(*created[0])
+        assert fake.pinned_spans() == []
