@@ -26,7 +26,11 @@ driver calls a large store takes, and a load submitted next starts at once.
 
 Completion: each direction has one waiter thread that blocks on a blocking-sync CUDA
 event (the thread sleeps; no core spins) and then wakes the event loop. Buffers a copy
-uses are kept alive until that moment.
+uses are kept alive until that moment. A thread needs the GIL to wake the loop, and a
+loop kept busy in Python can starve it for seconds (bench/RESULTS.md). So, on asyncio,
+while transfers are in flight the loop also looks every 2 ms (``_sweep``): a transfer
+whose event has been complete for a whole sweep without being reported is finished
+there, and stores stay on the loop for a while instead of going to the submitter thread.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ import contextlib
 import ctypes
 import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Union
 
@@ -46,7 +52,7 @@ import torch
 
 from asyncpin.cuda import _cudart
 from asyncpin.errors import BackendUnavailableError, TransferError
-from asyncpin.gate import outside_captures
+from asyncpin.gate import outside_captures, unless_capturing
 from asyncpin.kv import KVLayout
 from asyncpin.transfers import Direction, TransferJob, copy_in_thread
 
@@ -66,6 +72,10 @@ _BATCH_MIN_BLOCK_BYTES = 1 << 20
 # CPU tensor would cost more than the copy's own submission.
 _SMALL_SEGMENTS = 64
 _EVENT_DISABLE_TIMING = 2
+# The loop-side sweep for completions a starved waiter thread has not reported: its
+# period, and how long stores stay on the loop after a sweep finished one.
+_SWEEP_S = 0.002
+_STARVED_S = 1.0
 
 # Address arrays for a batched copy: int64 tensors, or array("Q") for small transfers.
 Addresses = Union[torch.Tensor, "array.array[int]"]
@@ -201,12 +211,18 @@ def batch_copy_available() -> bool:
     return _Runtime().batch is not None
 
 
+def _asyncio_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio (trio)
+        return None
+
+
 def _loop_caller() -> Callable[..., None]:
     """A thread-safe, non-blocking "run this on the event loop soon" for the current loop:
     asyncio's call_soon_threadsafe where it applies, anyio's portal otherwise."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # not asyncio (trio): anyio's portal
+    loop = _asyncio_loop()
+    if loop is None:
         token = anyio.lowlevel.current_token()
 
         def call(fn: Callable[..., None], *args: Any) -> None:
@@ -244,12 +260,20 @@ class _Worker:
 class _Waiter(_Worker):
     """One thread per direction: waits for each transfer's event in order, then reports."""
 
-    def submit(self, event: Any, report: Callable[[BaseException | None], None]) -> None:
-        """Call ``report(error)`` in this thread once ``event`` has completed."""
-        self._queue.put((event, report))
+    def submit(
+        self,
+        event: Any,
+        report: Callable[[BaseException | None], None],
+        settled: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """Call ``report(error)`` in this thread once ``event`` has completed, unless
+        ``settled()`` is already true when its turn comes (then nothing)."""
+        self._queue.put((event, report, settled))
 
     def _handle(self, item: Any) -> None:
-        event, report = item
+        event, report, settled = item
+        if settled():  # a starved thread drains what the loop finished, GIL held
+            return
         try:
             # Waiting on an event would break a graph capture under way on another
             # thread: not while the capture gate is held.
@@ -372,6 +396,14 @@ class CudaTransferEngine:
         self._index: int = layout.device.index if layout.device.index is not None else 0
         self._start_soon = start_soon
         self._call_soon = _loop_caller()
+        self._loop = _asyncio_loop()  # None on trio: no sweep there
+        # Jobs queued on the device and not yet reported, per direction, in order.
+        self._outstanding: dict[Direction, deque[TransferJob]] = {
+            "store": deque(),
+            "load": deque(),
+        }
+        self._sweeping = False
+        self._starved_until = 0.0
 
         self._rt = _Runtime()
         self._kernel = _load_kernel() if layout.block_bytes % 8 == 0 else None
@@ -447,15 +479,19 @@ class CudaTransferEngine:
         job.transfer.path = "pageable" if pageable else "pinned"
         if job.transfer.num_blocks == 0:
             job.transfer._finish()
-        elif pageable:
+            return
+        if pageable:
             # Copies from pageable memory make the host wait: off the event loop.
             if job.ready is None:
                 job.ready = self.record_ready()
             self._start_soon(
                 copy_in_thread, job, self._copy_pageable, "from pageable memory failed"
             )
-        elif job.transfer.direction == "store" and (
-            self._submitter.busy() or (self.thread_stores and not self._is_small(job))
+            return
+        self._watch(job)
+        if job.transfer.direction == "store" and (
+            self._submitter.busy()
+            or (self.thread_stores and not self._is_small(job) and not self._starved())
         ):
             # Stores are queued by the submitter thread unless small and nothing is ahead
             # of them there. Loads are queued here, on the calling thread, so that
@@ -465,6 +501,61 @@ class CudaTransferEngine:
             self._submitter.submit(job, method)
         else:
             self._enqueue(job, method)
+
+    # -- the loop-side sweep ------------------------------------------------------------
+
+    def _watch(self, job: TransferJob) -> None:
+        """Track a job queued for the device until it is reported; sweep while any is."""
+        if self._loop is None:
+            return
+        self._outstanding[job.transfer.direction].append(job)
+        if not self._sweeping:
+            self._sweeping = True
+            self._loop.call_later(_SWEEP_S, self._sweep)
+
+    def _starved(self) -> bool:
+        """Whether a sweep lately finished a transfer its waiter thread had not reported."""
+        return time.monotonic() < self._starved_until
+
+    def _sweep(self) -> None:
+        """On the event loop, every ``_SWEEP_S`` while jobs are outstanding: drop the ones
+        reported, and finish, in order, each one whose event was already complete at the
+        previous sweep. A waiter thread reports within tens of microseconds unless the
+        loop starves it of the GIL, so finishing one here is the sign of that."""
+        for jobs in self._outstanding.values():
+            in_order = True  # every job ahead of this one is finished
+            # A direction's events complete in job order: stop at the first still copying.
+            for job in list(jobs):
+                if job.transfer.done():
+                    continue
+                event = job.transfer.event
+                if event is None or not self._complete(event):
+                    break  # not yet queued (the submitter has it), or still copying
+                if job.seen_done and in_order:
+                    self._starved_until = time.monotonic() + _STARVED_S
+                    self._finish(job, job.failure)
+                else:
+                    job.seen_done = True  # its waiter has until the next sweep
+                    in_order = False
+            while jobs and jobs[0].transfer.done():
+                jobs.popleft()
+        if any(self._outstanding.values()):
+            assert self._loop is not None
+            self._loop.call_later(_SWEEP_S, self._sweep)
+        else:
+            self._sweeping = False
+
+    @staticmethod
+    def _complete(event: Any) -> bool:
+        """``event.query()``, unless a capture under way forbids it. A device error is left
+        to the waiter thread, which reports it."""
+        with unless_capturing() as free:
+            if not free:
+                return False
+            try:
+                return bool(event.query())
+            except Exception:
+                return False
 
     def _on_device(self) -> contextlib.AbstractContextManager[Any]:
         if torch.cuda.current_device() == self._index:
@@ -487,7 +578,6 @@ class CudaTransferEngine:
                 # code reads): 0.3 us, against 5.6 us for torch.cuda.current_stream().
                 caller = torch._C._cuda_getCurrentRawStream(self._index)
                 rt.record(lane.ready, caller)
-            failure: BaseException | None = None
             try:
                 if method == "batch":
                     tail = self._batch(job, lane)
@@ -496,7 +586,7 @@ class CudaTransferEngine:
                 else:
                     tail = self._pack(job, lane)
             except Exception as exc:
-                failure, tail = exc, None
+                job.failure, tail = exc, None
             try:
                 if tail is None:
                     tail = self._join(lane)  # whatever was queued, on any lane stream
@@ -516,7 +606,9 @@ class CudaTransferEngine:
         # device error surfaces there as an exception. (cudaLaunchHostFunc was measured as
         # an alternative: no faster at p50, worse at p99, and it never runs after a
         # context error, which would leave the transfer pending forever.)
-        self._waiters[direction].submit(done, lambda error: self._report(job, error or failure))
+        self._waiters[direction].submit(
+            done, lambda error: self._report(job, error or job.failure), job.transfer.done
+        )
 
     def _start(self, stream: torch.cuda.Stream, job: TransferJob, lane: _Lane) -> None:
         """``stream`` waits for the caller's stream and for the direction's previous job."""
@@ -538,14 +630,15 @@ class CudaTransferEngine:
         return lane.kernel
 
     def _report(self, job: TransferJob, error: BaseException | None) -> None:
-        if error is not None and not isinstance(error, TransferError):
-            wrapped = TransferError(f"{job.transfer.direction} failed on the device: {error}")
-            wrapped.__cause__ = error
-            error = wrapped
+        """From any thread: finish ``job`` on the event loop."""
         self._call_soon(self._finish, job, error)
 
     @staticmethod
     def _finish(job: TransferJob, error: BaseException | None) -> None:
+        if error is not None and not isinstance(error, TransferError):
+            wrapped = TransferError(f"{job.transfer.direction} failed on the device: {error}")
+            wrapped.__cause__ = error
+            error = wrapped
         job.transfer._finish(error)
         job.keep.clear()
 

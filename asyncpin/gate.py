@@ -145,6 +145,25 @@ def outside_captures() -> Iterator[None]:
             _cond.notify_all()
 
 
+@contextmanager
+def unless_capturing() -> Iterator[bool]:
+    """:func:`outside_captures` that never waits: yields False, holding nothing, while the
+    process-wide gate is held; True otherwise, keeping the gate from being taken until
+    the block exits. For a call that may be skipped, made from the event loop."""
+    global _global_in_flight
+    with _cond:
+        free = not _global_holders
+        if free:
+            _global_in_flight += 1
+    try:
+        yield free
+    finally:
+        if free:
+            with _cond:
+                _global_in_flight -= 1
+                _cond.notify_all()
+
+
 def capture_gate() -> PausedContext:
     """Hold back, in every manager of the process, every CUDA call that would break a
     graph capture on this thread: pin and unpin calls, the transfer engine's waits on

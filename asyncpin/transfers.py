@@ -115,6 +115,10 @@ class TransferJob:
     method: Method
     ready: Any = None  # for a job submitted late: the caller's stream when it was made
     keep: list[Any] = field(default_factory=list)  # buffers alive until the copy is done
+    # CUDA engine: the error of a job only partly queued, reported once its streams drain;
+    # and whether a loop-side sweep has seen its event complete.
+    failure: BaseException | None = None
+    seen_done: bool = False
 
 
 class TransferEngine(Protocol):

@@ -1,0 +1,189 @@
+"""The CUDA engine's loop-side sweep, without a GPU: what finishes a transfer whose waiter
+thread cannot report it (an event loop busy in Python starves threads of the GIL).
+
+The sweep is called by hand here, standing in for the loop's 2 ms timer, and events are
+stand-ins whose completion the test sets.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from asyncpin import TransferError, capture_gate
+from asyncpin.cuda_transfers import CudaTransferEngine, _Waiter
+from asyncpin.transfers import Direction, Transfer, TransferJob
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.complete = False
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.complete
+
+
+class _Loop:
+    """Records the sweeps the engine schedules instead of running them."""
+
+    def __init__(self) -> None:
+        self.scheduled = 0
+
+    def call_later(self, delay: float, fn: Any) -> None:
+        self.scheduled += 1
+
+
+def _engine() -> CudaTransferEngine:
+    engine = CudaTransferEngine.__new__(CudaTransferEngine)
+    engine._loop = _Loop()  # type: ignore[assignment]
+    engine._outstanding = {"store": deque(), "load": deque()}
+    engine._sweeping = False
+    engine._starved_until = 0.0
+    return engine
+
+
+def _job(direction: Direction = "load", blocks: int = 1) -> TransferJob:
+    job = TransferJob(Transfer(direction, blocks, 4096 * blocks), [0], [0], "batch")
+    job.transfer.event = _Event()
+    return job
+
+
+def _event(job: TransferJob) -> _Event:
+    event = job.transfer.event
+    assert isinstance(event, _Event)
+    return event
+
+
+def _scheduled(engine: CudaTransferEngine) -> int:
+    assert isinstance(engine._loop, _Loop)
+    return engine._loop.scheduled
+
+
+async def test_an_unreported_completion_is_finished_at_the_next_sweep() -> None:
+    engine, job = _engine(), _job()
+    engine._watch(job)
+    assert _scheduled(engine) == 1
+    engine._sweep()  # still copying
+    _event(job).complete = True
+    engine._sweep()  # complete: its waiter gets one more sweep to report it
+    assert not job.transfer.done() and not engine._starved()
+    job.keep.append(object())
+    engine._sweep()  # not reported: finished here, and the loop is marked as starving
+    assert job.transfer.done() and job.transfer.error is None and job.keep == []
+    assert engine._starved()
+    assert not engine._outstanding["load"] and not engine._sweeping
+    assert _scheduled(engine) == 3  # one at watch, one after each of the first two sweeps
+
+
+async def test_a_reported_completion_is_only_dropped() -> None:
+    engine, job = _engine(), _job()
+    engine._watch(job)
+    _event(job).complete = True
+    engine._sweep()
+    CudaTransferEngine._finish(job, None)  # the waiter thread's report arrives
+    engine._sweep()
+    assert not engine._starved() and not engine._outstanding["load"]
+    assert not engine._sweeping
+
+
+async def test_jobs_of_a_direction_finish_in_order_directions_apart() -> None:
+    engine = _engine()
+    first, second, store = _job(), _job(), _job("store")
+    for job in (first, second, store):
+        engine._watch(job)
+    _event(second).complete = _event(store).complete = True
+    for _ in range(3):
+        engine._sweep()
+    assert not first.transfer.done() and not second.transfer.done()
+    assert store.transfer.done()
+    _event(first).complete = True
+    engine._sweep()
+    engine._sweep()
+    assert first.transfer.done() and second.transfer.done()
+
+
+async def test_a_job_still_being_queued_holds_back_the_ones_after_it() -> None:
+    engine = _engine()
+    queuing, after = _job("store"), _job("store")
+    queuing.transfer.event = None  # the submitter thread has not queued it yet
+    engine._watch(queuing)
+    engine._watch(after)
+    _event(after).complete = True
+    for _ in range(3):
+        engine._sweep()
+    assert not after.transfer.done()
+
+
+async def test_no_query_while_a_capture_holds_the_gate() -> None:
+    engine, job = _engine(), _job()
+    engine._watch(job)
+    _event(job).complete = True
+    with capture_gate():
+        for _ in range(3):
+            engine._sweep()
+    assert _event(job).queries == 0 and not job.transfer.done()
+    engine._sweep()
+    engine._sweep()
+    assert job.transfer.done()
+
+
+async def test_the_failure_of_a_partly_queued_job_is_what_it_finishes_with() -> None:
+    engine, job = _engine(), _job()
+    job.failure = RuntimeError("the second piece could not be queued")
+    engine._watch(job)
+    _event(job).complete = True
+    engine._sweep()
+    engine._sweep()
+    assert isinstance(job.transfer.error, TransferError)
+    assert job.transfer.error.__cause__ is job.failure
+
+
+async def test_stores_stay_on_the_loop_while_threads_starve(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = _engine()
+    engine._kernel = None
+    engine._layout = SimpleNamespace(num_arrays=64)  # type: ignore[assignment]
+    threaded: list[TransferJob] = []
+    engine._submitter = SimpleNamespace(  # type: ignore[assignment]
+        busy=lambda: False, submit=lambda job, method: threaded.append(job)
+    )
+    on_loop: list[TransferJob] = []
+    monkeypatch.setattr(engine, "_enqueue", lambda job, method: on_loop.append(job))
+    monkeypatch.setattr(engine, "record_ready", lambda: None)
+
+    large = _job("store", blocks=10)  # 640 segments: the submitter's, normally
+    engine.submit(large, pageable=False)
+    assert threaded == [large] and on_loop == []
+    engine._starved_until = time.monotonic() + 60
+    starved = _job("store", blocks=10)
+    engine.submit(starved, pageable=False)
+    assert threaded == [large] and on_loop == [starved]
+
+
+def test_a_waiter_skips_what_the_loop_has_finished() -> None:
+    waiter = _Waiter("test-waiter")
+    try:
+        waited, reported, done = threading.Event(), threading.Event(), threading.Event()
+
+        class Settled:
+            def synchronize(self) -> None:
+                waited.set()
+
+        class Last:
+            def synchronize(self) -> None:
+                done.set()
+
+        waiter.submit(Settled(), lambda error: reported.set(), lambda: True)
+        waiter.submit(Last(), lambda error: None)
+        assert done.wait(10)  # the queue is handled in order: the first item is behind us
+        assert not waited.is_set() and not reported.is_set()
+    finally:
+        waiter.close()
