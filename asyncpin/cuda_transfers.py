@@ -28,9 +28,10 @@ Completion: each direction has one waiter thread that blocks on a blocking-sync 
 event (the thread sleeps; no core spins) and then wakes the event loop. Buffers a copy
 uses are kept alive until that moment. A thread needs the GIL to wake the loop, and a
 loop kept busy in Python can starve it for seconds (bench/RESULTS.md). So, on asyncio,
-while transfers are in flight the loop also looks every 2 ms (``_sweep``): a transfer
+while transfers are in flight the loop also looks every 20 ms (``_sweep``): a transfer
 whose event has been complete for a whole sweep without being reported is finished
-there, and stores stay on the loop for a while instead of going to the submitter thread.
+there. The loop then counts as starving threads for a second: it looks every 2 ms, and
+stores stay on the loop instead of going to the submitter thread.
 """
 
 from __future__ import annotations
@@ -73,8 +74,11 @@ _BATCH_MIN_BLOCK_BYTES = 1 << 20
 _SMALL_SEGMENTS = 64
 _EVENT_DISABLE_TIMING = 2
 # The loop-side sweep for completions a starved waiter thread has not reported: its
-# period, and how long stores stay on the loop after a sweep finished one.
-_SWEEP_S = 0.002
+# period (short once the loop has been seen starving threads: each sweep costs the loop
+# tens of microseconds), and how long the loop counts as starving after a sweep finished
+# a transfer; stores stay on the loop meanwhile.
+_SWEEP_S = 0.020
+_SWEEP_STARVED_S = 0.002
 _STARVED_S = 1.0
 
 # Address arrays for a batched copy: int64 tensors, or array("Q") for small transfers.
@@ -511,11 +515,14 @@ class CudaTransferEngine:
         self._outstanding[job.transfer.direction].append(job)
         if not self._sweeping:
             self._sweeping = True
-            self._loop.call_later(_SWEEP_S, self._sweep)
+            self._loop.call_later(self._sweep_period(), self._sweep)
 
     def _starved(self) -> bool:
         """Whether a sweep lately finished a transfer its waiter thread had not reported."""
         return time.monotonic() < self._starved_until
+
+    def _sweep_period(self) -> float:
+        return _SWEEP_STARVED_S if self._starved() else _SWEEP_S
 
     def _sweep(self) -> None:
         """On the event loop, every ``_SWEEP_S`` while jobs are outstanding: drop the ones
@@ -541,7 +548,7 @@ class CudaTransferEngine:
                 jobs.popleft()
         if any(self._outstanding.values()):
             assert self._loop is not None
-            self._loop.call_later(_SWEEP_S, self._sweep)
+            self._loop.call_later(self._sweep_period(), self._sweep)
         else:
             self._sweeping = False
 

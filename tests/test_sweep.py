@@ -34,10 +34,10 @@ class _Loop:
     """Records the sweeps the engine schedules instead of running them."""
 
     def __init__(self) -> None:
-        self.scheduled = 0
+        self.delays: list[float] = []
 
     def call_later(self, delay: float, fn: Any) -> None:
-        self.scheduled += 1
+        self.delays.append(delay)
 
 
 def _engine() -> CudaTransferEngine:
@@ -61,15 +61,14 @@ def _event(job: TransferJob) -> _Event:
     return event
 
 
-def _scheduled(engine: CudaTransferEngine) -> int:
+def _delays(engine: CudaTransferEngine) -> list[float]:
     assert isinstance(engine._loop, _Loop)
-    return engine._loop.scheduled
+    return engine._loop.delays
 
 
 async def test_an_unreported_completion_is_finished_at_the_next_sweep() -> None:
     engine, job = _engine(), _job()
     engine._watch(job)
-    assert _scheduled(engine) == 1
     engine._sweep()  # still copying
     _event(job).complete = True
     engine._sweep()  # complete: its waiter gets one more sweep to report it
@@ -79,7 +78,10 @@ async def test_an_unreported_completion_is_finished_at_the_next_sweep() -> None:
     assert job.transfer.done() and job.transfer.error is None and job.keep == []
     assert engine._starved()
     assert not engine._outstanding["load"] and not engine._sweeping
-    assert _scheduled(engine) == 3  # one at watch, one after each of the first two sweeps
+    # Scheduled at watch and after each of the first two sweeps, at the idle period.
+    assert _delays(engine) == [0.02, 0.02, 0.02]
+    engine._watch(_job())  # while the loop counts as starving, sweeps come every 2 ms
+    assert _delays(engine)[-1] == 0.002
 
 
 async def test_a_reported_completion_is_only_dropped() -> None:
