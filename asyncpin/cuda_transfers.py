@@ -525,32 +525,42 @@ class CudaTransferEngine:
         return _SWEEP_STARVED_S if self._starved() else _SWEEP_S
 
     def _sweep(self) -> None:
-        """On the event loop, every ``_SWEEP_S`` while jobs are outstanding: drop the ones
+        """On the event loop, every ``_SWEEP_S`` (``_SWEEP_STARVED_S`` while the loop counts
+        as starving threads) while jobs are outstanding: drop the ones
         reported, and finish, in order, each one whose event was already complete at the
         previous sweep. A waiter thread reports within tens of microseconds unless the
         loop starves it of the GIL, so finishing one here is the sign of that."""
-        for jobs in self._outstanding.values():
-            in_order = True  # every job ahead of this one is finished
-            # A direction's events complete in job order: stop at the first still copying.
-            for job in list(jobs):
-                if job.transfer.done():
-                    continue
-                event = job.transfer.event
-                if event is None or not self._complete(event):
-                    break  # not yet queued (the submitter has it), or still copying
-                if job.seen_done and in_order:
-                    self._starved_until = time.monotonic() + _STARVED_S
-                    self._finish(job, job.failure)
-                else:
-                    job.seen_done = True  # its waiter has until the next sweep
-                    in_order = False
-            while jobs and jobs[0].transfer.done():
-                jobs.popleft()
-        if any(self._outstanding.values()):
-            assert self._loop is not None
-            self._loop.call_later(self._sweep_period(), self._sweep)
-        else:
-            self._sweeping = False
+        try:
+            for jobs in self._outstanding.values():
+                self._sweep_direction(jobs)
+        finally:  # a transfer's callback that raises must not end the sweeping
+            if any(self._outstanding.values()):
+                assert self._loop is not None
+                self._loop.call_later(self._sweep_period(), self._sweep)
+            else:
+                self._sweeping = False
+
+    def _sweep_direction(self, jobs: deque[TransferJob]) -> None:
+        in_order = True  # every job ahead of this one is finished
+        i = 0  # by index: a callback run by a finish may submit (append) another job
+        while i < len(jobs):
+            job = jobs[i]
+            i += 1
+            if job.transfer.done():
+                continue
+            event = job.transfer.event
+            if event is None or not self._complete(event):
+                # Not yet queued (the submitter has it), or still copying; a direction's
+                # events complete in job order, so none after it has.
+                break
+            if job.seen_done and in_order:
+                self._starved_until = time.monotonic() + _STARVED_S
+                self._finish(job, job.failure)
+            else:
+                job.seen_done = True  # its waiter has until the next sweep
+                in_order = False
+        while jobs and jobs[0].transfer.done():
+            jobs.popleft()
 
     @staticmethod
     def _complete(event: Any) -> bool:
@@ -906,13 +916,15 @@ class CudaTransferEngine:
         )
 
     def close(self) -> None:
+        """Called in a worker thread once every transfer has finished."""
         self._submitter.close()
         for waiter in self._waiters.values():
             waiter.close()
         # Device memory back to torch's allocator at close, not when the manager object
         # is collected.
         self._ptrs = self._strides = torch.empty(0, dtype=torch.int64)
-        for lane in self._lanes.values():
-            lane.staging, lane.ids = None, self._ptrs
-            for event in lane.events():
-                self._rt.destroy(event)
+        with torch.cuda.device(self._index):
+            for lane in self._lanes.values():
+                lane.staging, lane.ids = None, self._ptrs
+                for event in lane.events():
+                    self._rt.destroy(event)

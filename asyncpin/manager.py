@@ -422,10 +422,12 @@ class OffloadManager:
             try:
                 await scheduler.done.wait()
                 await self._idle.wait()  # in-flight transfers' device work
-                if self._engine is not None:
-                    self._engine.close()
                 # Its own thread slot: the application's default pool may be full.
                 limiter = anyio.CapacityLimiter(1)
+                if self._engine is not None:
+                    # Off the loop: it joins the engine's threads, and a completion waiter
+                    # may be held at the capture gate until a capture ends.
+                    await anyio.to_thread.run_sync(self._engine.close, limiter=limiter)
                 leaked = await anyio.to_thread.run_sync(scheduler.unpin_all, limiter=limiter)
                 for chunk, exc in leaked:
                     self._log.error(

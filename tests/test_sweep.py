@@ -147,6 +147,62 @@ async def test_the_failure_of_a_partly_queued_job_is_what_it_finishes_with() -> 
     assert job.transfer.error.__cause__ is job.failure
 
 
+async def test_a_device_error_is_left_to_the_waiter() -> None:
+    engine, job = _engine(), _job()
+
+    class Failing(_Event):
+        def query(self) -> bool:
+            raise RuntimeError("an illegal address was encountered")
+
+    job.transfer.event = Failing()
+    engine._watch(job)
+    for _ in range(3):
+        engine._sweep()
+    assert not job.transfer.done() and not engine._starved()
+
+
+async def test_a_raising_callback_does_not_end_the_sweeping() -> None:
+    engine, job, later = _engine(), _job(), _job()
+
+    def fail(transfer: Transfer) -> None:
+        raise RuntimeError("an observer's bug")
+
+    job.transfer._callbacks.append(fail)
+    engine._watch(job)
+    engine._watch(later)
+    _event(job).complete = True
+    engine._sweep()
+    with pytest.raises(RuntimeError, match="observer"):
+        engine._sweep()
+    assert job.transfer.done() and engine._sweeping
+    assert len(_delays(engine)) == 3  # at watch, and after both sweeps
+    _event(later).complete = True
+    engine._sweep()
+    engine._sweep()
+    assert later.transfer.done() and not engine._outstanding["load"]
+
+
+async def test_submit_watches_every_job_queued_for_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = _engine()
+    engine._kernel = None
+    engine._layout = SimpleNamespace(num_arrays=64)  # type: ignore[assignment]
+    engine._submitter = SimpleNamespace(  # type: ignore[assignment]
+        busy=lambda: False, submit=lambda job, method: None
+    )
+    monkeypatch.setattr(engine, "_enqueue", lambda job, method: None)
+    monkeypatch.setattr(engine, "record_ready", lambda: None)
+    monkeypatch.setattr(engine, "_start_soon", lambda *args: None, raising=False)
+    load, store = _job("load"), _job("store", blocks=10)
+    engine.submit(load, pageable=False)
+    engine.submit(store, pageable=False)
+    engine.submit(_job("load"), pageable=True)  # pageable: its worker thread reports it
+    assert list(engine._outstanding["load"]) == [load]
+    assert list(engine._outstanding["store"]) == [store]
+    assert engine._sweeping and _delays(engine) == [0.02]
+
+
 async def test_stores_stay_on_the_loop_while_threads_starve(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
