@@ -182,18 +182,29 @@ async def test_a_raising_callback_does_not_end_the_sweeping() -> None:
     assert later.transfer.done() and not engine._outstanding["load"]
 
 
-async def test_submit_watches_every_job_queued_for_the_device(
+def _submitting(
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
+) -> tuple[CudaTransferEngine, list[TransferJob], list[TransferJob]]:
+    """An engine whose submit() runs for real down to where a job is queued: the jobs
+    the submitter thread gets, and the ones queued on the loop, are recorded."""
     engine = _engine()
     engine._kernel = None
     engine._layout = SimpleNamespace(num_arrays=64)  # type: ignore[assignment]
+    threaded: list[TransferJob] = []
+    on_loop: list[TransferJob] = []
     engine._submitter = SimpleNamespace(  # type: ignore[assignment]
-        busy=lambda: False, submit=lambda job, method: None
+        busy=lambda: False, submit=lambda job, method: threaded.append(job)
     )
-    monkeypatch.setattr(engine, "_enqueue", lambda job, method: None)
+    monkeypatch.setattr(engine, "_enqueue", lambda job, method: on_loop.append(job))
     monkeypatch.setattr(engine, "record_ready", lambda: None)
     monkeypatch.setattr(engine, "_start_soon", lambda *args: None, raising=False)
+    return engine, threaded, on_loop
+
+
+async def test_submit_watches_every_job_queued_for_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine, _, _ = _submitting(monkeypatch)
     load, store = _job("load"), _job("store", blocks=10)
     engine.submit(load, pageable=False)
     engine.submit(store, pageable=False)
@@ -206,17 +217,7 @@ async def test_submit_watches_every_job_queued_for_the_device(
 async def test_stores_stay_on_the_loop_while_threads_starve(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    engine = _engine()
-    engine._kernel = None
-    engine._layout = SimpleNamespace(num_arrays=64)  # type: ignore[assignment]
-    threaded: list[TransferJob] = []
-    engine._submitter = SimpleNamespace(  # type: ignore[assignment]
-        busy=lambda: False, submit=lambda job, method: threaded.append(job)
-    )
-    on_loop: list[TransferJob] = []
-    monkeypatch.setattr(engine, "_enqueue", lambda job, method: on_loop.append(job))
-    monkeypatch.setattr(engine, "record_ready", lambda: None)
-
+    engine, threaded, on_loop = _submitting(monkeypatch)
     large = _job("store", blocks=10)  # 640 segments: the submitter's, normally
     engine.submit(large, pageable=False)
     assert threaded == [large] and on_loop == []
