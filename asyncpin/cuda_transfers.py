@@ -526,10 +526,10 @@ class CudaTransferEngine:
 
     def _sweep(self) -> None:
         """On the event loop, every ``_SWEEP_S`` (``_SWEEP_STARVED_S`` while the loop counts
-        as starving threads) while jobs are outstanding: drop the ones
-        reported, and finish, in order, each one whose event was already complete at the
-        previous sweep. A waiter thread reports within tens of microseconds unless the
-        loop starves it of the GIL, so finishing one here is the sign of that."""
+        as starving threads) while jobs are outstanding: drop the ones reported, and
+        finish, in order, each one whose event was already complete at the previous sweep.
+        A waiter thread reports within tens of microseconds unless the loop starves it of
+        the GIL, so finishing one here is the sign of that."""
         try:
             for jobs in self._outstanding.values():
                 self._sweep_direction(jobs)

@@ -125,6 +125,26 @@ def _unhold_all() -> None:
         _cond.notify_all()
 
 
+def _enter_global(*, wait: bool) -> bool:
+    """Count a call in flight for the process-wide gate, waiting while it is held (or,
+    without ``wait``, counting nothing and answering False)."""
+    global _global_in_flight
+    with _cond:
+        while wait and _global_holders:
+            _cond.wait()
+        if _global_holders:
+            return False
+        _global_in_flight += 1
+        return True
+
+
+def _exit_global() -> None:
+    global _global_in_flight
+    with _cond:
+        _global_in_flight -= 1
+        _cond.notify_all()
+
+
 @contextmanager
 def outside_captures() -> Iterator[None]:
     """For a CUDA call that a capture must not overlap, made from any thread other than
@@ -132,17 +152,11 @@ def outside_captures() -> Iterator[None]:
     taken until the block exits. A graph capture forbids such calls (waiting on or querying
     an event, allocating pinned memory) in every other thread; one that is already waiting
     when the capture begins is allowed, but the gate cannot tell that moment apart."""
-    global _global_in_flight
-    with _cond:
-        while _global_holders:
-            _cond.wait()
-        _global_in_flight += 1
+    _enter_global(wait=True)
     try:
         yield
     finally:
-        with _cond:
-            _global_in_flight -= 1
-            _cond.notify_all()
+        _exit_global()
 
 
 @contextmanager
@@ -150,18 +164,12 @@ def unless_capturing() -> Iterator[bool]:
     """:func:`outside_captures` that never waits: yields False, holding nothing, while the
     process-wide gate is held; True otherwise, keeping the gate from being taken until
     the block exits. For a call that may be skipped, made from the event loop."""
-    global _global_in_flight
-    with _cond:
-        free = not _global_holders
-        if free:
-            _global_in_flight += 1
+    free = _enter_global(wait=False)
     try:
         yield free
     finally:
         if free:
-            with _cond:
-                _global_in_flight -= 1
-                _cond.notify_all()
+            _exit_global()
 
 
 def capture_gate() -> PausedContext:
