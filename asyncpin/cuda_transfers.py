@@ -472,10 +472,25 @@ class CudaTransferEngine:
         if pageable or self._kernel is None:
             return "batch"
         if job.method != "auto":
-            return job.method
-        if self._is_small(job):
+            method = job.method
+        elif self._is_small(job):
             return "batch"
-        return "batch" if self._layout.block_bytes >= _BATCH_MIN_BLOCK_BYTES else "pack"
+        else:
+            method = "batch" if self._layout.block_bytes >= _BATCH_MIN_BLOCK_BYTES else "pack"
+        if method == "pack" and not self._staged(self._lanes[job.transfer.direction]):
+            return "batch"
+        return method
+
+    def _staged(self, lane: _Lane) -> bool:
+        """Whether the lane has its pack staging, allocating it on the first pack job of a
+        layout whose default method is batch. Not while a graph capture is under way on
+        another thread (a device allocation would break it): the job then uses batch."""
+        if lane.staging is not None:
+            return True
+        with unless_capturing() as free:
+            if free:
+                lane.allocate_staging(self._rt, self._layout.host_block_bytes)
+            return free
 
     def submit(self, job: TransferJob, *, pageable: bool) -> None:
         method = self._choose(job, pageable)
@@ -788,8 +803,7 @@ class CudaTransferEngine:
         kernel, dma = lane.kernel, lane.dma
         self._start(kernel, job, lane)
         buffer = lane.staging
-        if buffer is None:  # pack is not this layout's usual method: allocated on first use
-            buffer = lane.allocate_staging(rt, layout.host_block_bytes)
+        assert buffer is not None  # allocated when the job was submitted (_staged)
         per_piece = buffer.shape[1] // layout.host_block_bytes
         n = job.transfer.num_blocks
         if not store:

@@ -9,7 +9,9 @@ the GPU, each after a warm-up, and reports RSS growth per unit:
 
 - ``transfers``: one manager, many store/load round trips (64 blocks, every method);
 - ``lifecycles``: managers opened, pinned and closed with no transfer;
-- ``captures``: CUDA graphs captured and replayed through the capture gate, no manager.
+- ``captures``: CUDA graphs captured and replayed through the capture gate, no manager;
+- ``pageable``: one manager with pinning held back, round trips through pageable memory
+  (each copy runs in an anyio worker thread, as in the soak's pageable cycles).
 """
 
 from __future__ import annotations
@@ -76,6 +78,34 @@ async def lifecycles(layout: KVLayout, count: int) -> dict[str, Any]:
     return {"cycles": count, "samples": samples, "mb_per_cycle": slope(samples)}
 
 
+async def pageable(layout: KVLayout, count: int) -> dict[str, Any]:
+    samples: list[tuple[int, float]] = []
+    async with (
+        OffloadManager.for_kv(
+            layout, HOST_BLOCKS, backend="cuda", unpinned_policy="pageable"
+        ) as mgr,
+        mgr.pinning_paused(),
+    ):
+        chunks = mgr.stats().chunks_pinned
+        last = range(HOST_BLOCKS // 2, HOST_BLOCKS)  # the chunks pinned last
+        for i in range(count + 50):
+            g = random.sample(range(layout.num_blocks), 8)
+            c = random.sample(last, 8)
+            await mgr.store(g, c)
+            await mgr.load(c, g)
+            if i >= 50 and i % 25 == 0:
+                samples.append((i - 50, rss_mb()))
+        stats = mgr.stats()
+    return {
+        "round_trips": count,
+        "chunks_pinned_before": chunks,
+        "transfers_pageable": stats.transfers_pageable,
+        "transfers_stored": stats.transfers_stored,
+        "samples": samples,
+        "mb_per_1000": 1000 * slope(samples),
+    }
+
+
 def captures(count: int) -> dict[str, Any]:
     x = torch.ones(1 << 16, device="cuda")
     side = torch.cuda.Stream()
@@ -102,12 +132,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     n = 2048
     tensors = [torch.randn(n, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(64)]
     layout = KVLayout.from_tensors(tensors)
-    return {
-        "device": torch.cuda.get_device_name(),
-        "transfers": await transfers(layout, args.round_trips),
-        "lifecycles": await lifecycles(layout, args.cycles),
-        "captures": captures(args.captures),
-    }
+    only = args.only.split(",")
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    if "transfers" in only:
+        report["transfers"] = await transfers(layout, args.round_trips)
+    if "lifecycles" in only:
+        report["lifecycles"] = await lifecycles(layout, args.cycles)
+    if "captures" in only:
+        report["captures"] = captures(args.captures)
+    if "pageable" in only:
+        report["pageable"] = await pageable(layout, args.pageable_round_trips)
+    return report
 
 
 def main() -> None:
@@ -115,15 +150,27 @@ def main() -> None:
     parser.add_argument("--round-trips", type=int, default=3000)
     parser.add_argument("--cycles", type=int, default=40)
     parser.add_argument("--captures", type=int, default=1000)
+    parser.add_argument("--pageable-round-trips", type=int, default=500)
+    parser.add_argument("--only", default="transfers,lifecycles,captures,pageable")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     report = asyncio.run(main_async(args))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))
-    t, lc, cp = report["transfers"], report["lifecycles"], report["captures"]
-    print(f"transfers:  {t['mb_per_1000']:+.3f} MB per 1000 round trips ({t['round_trips']})")
-    print(f"lifecycles: {lc['mb_per_cycle']:+.3f} MB per open/pin/close ({lc['cycles']})")
-    print(f"captures:   {cp['mb_per_1000']:+.3f} MB per 1000 captures ({cp['captures']})")
+    lines = {
+        "transfers": ("mb_per_1000", "MB per 1000 round trips", "round_trips"),
+        "lifecycles": ("mb_per_cycle", "MB per open/pin/close", "cycles"),
+        "captures": ("mb_per_1000", "MB per 1000 captures", "captures"),
+        "pageable": ("mb_per_1000", "MB per 1000 pageable round trips", "round_trips"),
+    }
+    for part, (key, unit, count) in lines.items():
+        if part in report:
+            print(f"{part + ':':<11} {report[part][key]:+.3f} {unit} ({report[part][count]})")
+    if "pageable" in report:
+        p = report["pageable"]
+        print(
+            f"{'':<12}pageable: {p['transfers_pageable']} of {p['transfers_stored'] * 2} transfers"
+        )
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@
 
 Layout like Llama-3.1-8B: 32 layers, K and V split (64 arrays), blocks of 16 tokens x 8
 heads x 128 bf16 = 32 KiB per array. 2048 random blocks (4 GiB) per transfer, random ids.
-Peers in the same run: one cudaMemcpyBatchAsync call over the same segments, a python
-loop of cudaMemcpyAsync per segment, and one contiguous DMA of the same bytes. GB/s count
+Peers in the same run: one cudaMemcpyBatchAsync call over the same segments (twice: with
+the attributes vLLM passes, source order "stream" and no flag, and with the
+prefer-overlap-with-compute flag asyncpin's own calls set), a python loop of
+cudaMemcpyAsync per segment, and one contiguous DMA of the same bytes. GB/s count
 bytes moved once (1e9 bytes per second); time is the wall time from submission until the
 awaiting coroutine resumes (asyncpin) or until the stream is synchronized (peers).
 """
@@ -29,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncpin import KVLayout, OffloadManager
-from asyncpin.cuda_transfers import CudaTransferEngine, _Runtime
+from asyncpin.cuda_transfers import CudaTransferEngine, _MemcpyAttributes, _MemLocation, _Runtime
 from asyncpin.transfers import Direction, Method
 
 GB = 1e9
@@ -118,6 +120,8 @@ async def bench_size(block_bytes: int, n: int, repeats: int, peers: bool) -> dic
             engine = mgr._engine
             assert isinstance(engine, CudaTransferEngine)
             peer_direction: Direction
+            # vLLM's attributes: source order "stream", no location hints, no flags.
+            vllm_attrs = _MemcpyAttributes(1, _MemLocation(0, 0), _MemLocation(0, 0), 0)
             for peer_direction in ("store", "load"):
                 direction = peer_direction
                 g, c = ids()
@@ -125,15 +129,20 @@ async def bench_size(block_bytes: int, n: int, repeats: int, peers: bool) -> dic
                 sizes = torch.full_like(device, layout.block_bytes)
                 dst, src = (host, device) if direction == "store" else (device, host)
 
-                async def batch_peer(
-                    dst: torch.Tensor = dst, src: torch.Tensor = src, sizes: torch.Tensor = sizes
-                ) -> None:
-                    rt.copy_segments(dst, src, sizes, stream.cuda_stream)  # one call, as vLLM
-                    stream.synchronize()
+                for key, attrs in (("peer_batch", vllm_attrs), ("peer_batch_overlap", rt.attrs)):
 
-                await batch_peer()
-                times = await timed(batch_peer, repeats)
-                result[f"peer_batch_{direction}_gbps"] = nbytes / statistics.median(times) / GB
+                    async def batch_peer(
+                        dst: torch.Tensor = dst,
+                        src: torch.Tensor = src,
+                        sizes: torch.Tensor = sizes,
+                        attrs: _MemcpyAttributes = attrs,
+                    ) -> None:
+                        rt._batch_call(dst, src, sizes, attrs, stream.cuda_stream)  # one call
+                        stream.synchronize()
+
+                    await batch_peer()
+                    times = await timed(batch_peer, repeats)
+                    result[f"{key}_{direction}_gbps"] = nbytes / statistics.median(times) / GB
                 if block_bytes == 32 << 10:
                     t0 = time.perf_counter()
                     for d, s_, z in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
@@ -386,13 +395,21 @@ def main() -> None:
     print(f"\n{report['device']} torch {report['torch']} cuda {report['cuda_runtime']}")
     print(
         f"{'block/array':>11} {'dir':>5} {'pack':>6} {'kernel':>6} {'batch':>6} "
-        f"{'peer bat':>8} {'peer loop':>9} {'contig':>6}  GB/s"
+        f"{'peer bat':>8} {'+overlap':>8} {'peer loop':>9} {'contig':>6}  GB/s"
     )
     for r in report["sizes"]:
         for d in ("store", "load"):
             cells = [
                 r.get(f"{k}_{d}_gbps")
-                for k in ("pack", "kernel", "batch", "peer_batch", "peer_loop", "contiguous")
+                for k in (
+                    "pack",
+                    "kernel",
+                    "batch",
+                    "peer_batch",
+                    "peer_batch_overlap",
+                    "peer_loop",
+                    "contiguous",
+                )
             ]
             print(
                 f"{r['block_bytes'] // 1024:>8} KiB {d:>5} "

@@ -1,4 +1,5 @@
-"""The CUDA engine's completion waiters keep out of CUDA graph captures (no GPU needed).
+"""The CUDA engine's completion waiters, and its one allocation after open, keep out of
+CUDA graph captures (no GPU needed).
 
 A capture in torch's default mode forbids waiting on an event from any other thread: the
 wait fails and the capture is invalidated (bench/capture_probe.py, on the H200). So a
@@ -10,13 +11,15 @@ like when they were waited on.
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 import asyncpin.gate
 from asyncpin import capture_gate
-from asyncpin.cuda_transfers import _Waiter
+from asyncpin.cuda_transfers import CudaTransferEngine, _Waiter
+from asyncpin.transfers import Transfer, TransferJob
 
 TIMEOUT_S = 10.0
 # How long a wait that must not happen is given to happen anyway. Without the gate the
@@ -81,3 +84,41 @@ def test_a_capture_waits_for_a_wait_under_way(waiter: _Waiter) -> None:
     thread.join(TIMEOUT_S)
     assert event.held_when_entered is False
     assert asyncpin.gate._global_in_flight == 0 and asyncpin.gate._global_holders == 0
+
+
+class _Lane:
+    """A lane without pack staging; records the allocations asked of it."""
+
+    def __init__(self) -> None:
+        self.staging: object | None = None
+        self.allocations: list[bool] = []
+
+    def allocate_staging(self, rt: Any, host_block_bytes: int) -> object:
+        self.allocations.append(asyncpin.gate._global_holders > 0)
+        self.staging = object()
+        return self.staging
+
+
+def test_pack_staging_is_not_allocated_during_a_capture() -> None:
+    """With 2 MiB blocks pack is not the default, so its staging is allocated by the first
+    pack job; while the gate is held, that job uses batch and allocates nothing."""
+    engine = CudaTransferEngine.__new__(CudaTransferEngine)
+    lane = _Lane()
+    engine._kernel = object()
+    engine._lanes = {"store": lane, "load": _Lane()}  # type: ignore[dict-item]
+    engine._layout = SimpleNamespace(  # type: ignore[assignment]
+        num_arrays=4, block_bytes=2 << 20, host_block_bytes=8 << 20
+    )
+    engine._rt = None  # type: ignore[assignment]
+    job = TransferJob(Transfer("store", 100, 100 << 23), list(range(100)), list(range(100)), "pack")
+    auto = TransferJob(
+        Transfer("store", 100, 100 << 23), list(range(100)), list(range(100)), "auto"
+    )
+    with capture_gate():
+        assert engine._choose(job, pageable=False) == "batch"
+    assert lane.allocations == [] and lane.staging is None
+    assert engine._choose(auto, pageable=False) == "batch"  # the default allocates nothing
+    assert lane.allocations == []
+    assert engine._choose(job, pageable=False) == "pack"
+    assert engine._choose(job, pageable=False) == "pack"
+    assert lane.allocations == [False]  # once, with the gate free

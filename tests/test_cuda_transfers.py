@@ -429,6 +429,61 @@ class TestGraphCaptures:
                 assert torch.equal(array[dest], source[a][src]), f"array {a} differs"
 
 
+class TestPackStagingOnFirstUse:
+    """With 1 MiB blocks pack is not the default: its staging is allocated by the first
+    pack transfer, never while the capture gate is held (that transfer uses batch)."""
+
+    async def test_not_allocated_during_a_capture(self) -> None:
+        # Two layers, K and V joined: 1 MiB per block per array (512 tokens x 8 x 128 bf16).
+        kv = [torch.randn(2, 32, 512, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(2)]
+        layout = KVLayout.from_tensors(kv, block_dim=1)
+        async with OffloadManager.for_kv(layout, 32, backend="cuda") as mgr:
+            await mgr.pinned
+            lanes = mgr._engine._lanes  # type: ignore[union-attr]
+            assert lanes["store"].staging is None
+            gpu, cpu = _ids(20, 32), _ids(20, 32)
+            with capture_gate():
+                held = mgr.store(gpu[:10], cpu[:10], method="pack")
+            assert held.method == "batch" and lanes["store"].staging is None
+            with anyio.fail_after(60):
+                await held
+                packed = mgr.store(gpu[10:], cpu[10:], method="pack")
+                await packed
+            assert packed.method == "pack" and lanes["store"].staging is not None
+            _check_host(mgr, layout, gpu, cpu)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+class TestSecondGpu:
+    """A layout on GPU 1 while GPU 0 is current: the region is pinned for GPU 1, the
+    engine's streams, buffers and kernels live there, and every method moves the right
+    bytes both ways (the kernel method reads the host through GPU 1's mapping)."""
+
+    async def test_round_trips(self) -> None:
+        torch.cuda.set_device(0)
+        kv = [torch.randn(2, 256, 16, 8, 128, device="cuda:1").to(torch.bfloat16) for _ in range(4)]
+        layout = KVLayout.from_tensors(kv, block_dim=1)
+        async with OffloadManager.for_kv(layout, 256, backend="cuda") as mgr:
+            await mgr.pinned
+            with anyio.fail_after(60):
+                for method, n in (("batch", 1), ("batch", 100), ("pack", 100), ("kernel", 100)):
+                    gpu, cpu = _ids(n, 256), _ids(n, 256)
+                    await mgr.store(gpu, cpu, method=method)  # type: ignore[arg-type]
+                    host = mgr.host_blocks()[cpu].to("cuda:1")
+                    for a, array in enumerate(layout.arrays):
+                        assert torch.equal(host[:, a], array[gpu]), f"{method}: store, array {a}"
+                    dest = _ids(n, 256)
+                    load = mgr.load(cpu, dest, method=method)  # type: ignore[arg-type]
+                    with torch.cuda.device(1):
+                        torch.cuda.current_stream().wait_event(load.event)
+                        moved = [array[dest].clone() for array in layout.arrays]
+                    await load
+                    for a, array in enumerate(moved):
+                        assert torch.equal(array, host[:, a]), f"{method}: load, array {a}"
+            assert mgr.stats().transfers_failed == 0
+        assert torch.cuda.current_device() == 0
+
+
 class TestKernelVariants:
     """The manager compiles the copy kernel at open, and transfers of any size reuse it:
     a variant compiled mid-serving would stall the submitting thread, and loading it
