@@ -27,8 +27,9 @@ driver calls a large store takes, and a load submitted next starts at once.
 Completion: each direction has one waiter thread that blocks on a blocking-sync CUDA
 event (the thread sleeps; no core spins) and then wakes the event loop. Buffers a copy
 uses are kept alive until that moment. A thread needs the GIL to wake the loop, and a
-loop kept busy in Python can starve it for seconds (bench/RESULTS.md). So, on asyncio,
-while transfers are in flight the loop also looks every 20 ms (``_sweep``): a transfer
+loop kept busy in Python can starve it for seconds (bench/RESULTS.md). So, while
+transfers are in flight the loop also looks every 20 ms (``_sweep``: a timer on asyncio,
+a task in the manager's task group on trio, which has no timers): a transfer
 whose event has been complete for a whole sweep without being reported is finished
 there. The loop then counts as starving threads for a second: it looks every 2 ms, and
 stores stay on the loop instead of going to the submitter thread.
@@ -47,8 +48,10 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Union
 
+import anyio
 import anyio.from_thread
 import anyio.lowlevel
+import structlog
 import torch
 
 from asyncpin.cuda import _cudart
@@ -58,6 +61,8 @@ from asyncpin.kv import KVLayout
 from asyncpin.transfers import Direction, TransferJob, copy_in_thread
 
 __all__ = ["CudaTransferEngine", "batch_copy_available"]
+
+_log = structlog.get_logger("asyncpin")
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from UVA
 _STAGING_BYTES = 256 << 20  # per direction, in two halves
@@ -400,7 +405,7 @@ class CudaTransferEngine:
         self._index: int = layout.device.index if layout.device.index is not None else 0
         self._start_soon = start_soon
         self._call_soon = _loop_caller()
-        self._loop = _asyncio_loop()  # None on trio: no sweep there
+        self._loop = _asyncio_loop()  # None on trio: the sweep runs as a task there
         # Jobs queued on the device and not yet reported, per direction, in order.
         self._outstanding: dict[Direction, deque[TransferJob]] = {
             "store": deque(),
@@ -525,12 +530,24 @@ class CudaTransferEngine:
 
     def _watch(self, job: TransferJob) -> None:
         """Track a job queued for the device until it is reported; sweep while any is."""
-        if self._loop is None:
-            return
         self._outstanding[job.transfer.direction].append(job)
         if not self._sweeping:
             self._sweeping = True
-            self._loop.call_later(self._sweep_period(), self._sweep)
+            if self._loop is not None:
+                self._loop.call_later(self._sweep_period(), self._sweep)
+            else:
+                self._start_soon(self._sweeper)
+
+    async def _sweeper(self) -> None:
+        """trio: sweeps as a task, until a sweep finds nothing outstanding. A sweep that
+        raises (a transfer's callback did) is logged, as asyncio logs a failed timer
+        callback, instead of failing the manager's task group."""
+        while self._sweeping:
+            await anyio.sleep(self._sweep_period())
+            try:
+                self._sweep()
+            except Exception as exc:
+                _log.error("transfer.sweep_failed", error=repr(exc))
 
     def _starved(self) -> bool:
         """Whether a sweep lately finished a transfer its waiter thread had not reported."""
@@ -549,11 +566,10 @@ class CudaTransferEngine:
             for jobs in self._outstanding.values():
                 self._sweep_direction(jobs)
         finally:  # a transfer's callback that raises must not end the sweeping
-            if any(self._outstanding.values()):
-                assert self._loop is not None
-                self._loop.call_later(self._sweep_period(), self._sweep)
-            else:
+            if not any(self._outstanding.values()):
                 self._sweeping = False
+            elif self._loop is not None:  # on trio, _sweeper loops
+                self._loop.call_later(self._sweep_period(), self._sweep)
 
     def _sweep_direction(self, jobs: deque[TransferJob]) -> None:
         in_order = True  # every job ahead of this one is finished

@@ -1,6 +1,7 @@
 """KV transfers while the event loop is CPU-bound: does the store submitter thread keep up?
 
     python3 bench/busy_loop.py --json-out $OUT/busy_loop.json
+    python3 bench/busy_loop.py --backend trio     # the same on trio
 
 A large store is queued by a submitter thread, which needs the GIL for each step. With
 the loop idle it has it at once; with the loop busy in Python, every GIL hand-off can
@@ -39,7 +40,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     n = 2048
     tensors = [torch.randn(n, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(64)]
     layout = KVLayout.from_tensors(tensors)
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "results": {}}
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "backend": args.backend,
+        "results": {},
+    }
     async with OffloadManager.for_kv(layout, n, backend="cuda") as mgr:
         await mgr.pinned
         engine = mgr._engine
@@ -110,13 +115,14 @@ def main() -> None:
     parser.add_argument(
         "--switch-interval", type=float, help="sys.setswitchinterval for the run (seconds)"
     )
+    parser.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     parser.add_argument("--json-out")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    print(f"switch interval {sys.getswitchinterval() * 1e3:g} ms", flush=True)
-    report = anyio.run(main_async, args)
+    print(f"{args.backend}, switch interval {sys.getswitchinterval() * 1e3:g} ms", flush=True)
+    report = anyio.run(main_async, args, backend=args.backend)
     report["switch_interval_s"] = sys.getswitchinterval()
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))

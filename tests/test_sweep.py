@@ -1,8 +1,9 @@
 """The CUDA engine's loop-side sweep, without a GPU: what finishes a transfer whose waiter
 thread cannot report it (an event loop busy in Python starves threads of the GIL).
 
-The sweep is called by hand here, standing in for the loop's 2 ms timer, and events are
-stand-ins whose completion the test sets.
+The sweep is called by hand here, standing in for the loop's timer, and events are
+stand-ins whose completion the test sets; on trio, where the sweep is a task, it runs for
+real.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
+import anyio
 import pytest
+from structlog.testing import capture_logs
 
 from asyncpin import TransferError, capture_gate
 from asyncpin.cuda_transfers import CudaTransferEngine, _Waiter
@@ -246,3 +249,67 @@ def test_a_waiter_skips_what_the_loop_has_finished() -> None:
         assert not waited.is_set() and not reported.is_set()
     finally:
         waiter.close()
+
+
+def test_on_trio_a_task_sweeps_while_jobs_are_outstanding() -> None:
+    """trio has no timers: the sweep runs as a task in the manager's task group, started
+    by the first job watched and ended by the first sweep that finds nothing left."""
+    pytest.importorskip("trio")
+    finished: list[TransferJob] = []
+
+    async def main() -> None:
+        engine = _engine()
+        engine._loop = None
+        async with anyio.create_task_group() as tg:
+            engine._start_soon = tg.start_soon
+            first, second = _job(), _job("store")
+            engine._watch(first)
+            engine._watch(second)
+            assert engine._sweeping
+            _event(first).complete = _event(second).complete = True
+            with anyio.fail_after(10):
+                await first.transfer  # no waiter thread reports it: only the task can
+                await second.transfer
+            finished.extend((first, second))
+            assert engine._starved()
+        # The group's exit waited for the task, which ended with nothing outstanding.
+        assert not engine._sweeping and not any(engine._outstanding.values())
+        later = _job()
+        engine._loop = None
+        async with anyio.create_task_group() as tg:
+            engine._start_soon = tg.start_soon
+            engine._watch(later)  # a new burst starts a new task
+            _event(later).complete = True
+            with anyio.fail_after(10):
+                await later.transfer
+        finished.append(later)
+
+    anyio.run(main, backend="trio")
+    assert [job.transfer.error for job in finished] == [None, None, None]
+
+
+def test_on_trio_a_raising_callback_is_logged_and_the_task_goes_on() -> None:
+    pytest.importorskip("trio")
+
+    async def main() -> None:
+        engine = _engine()
+        engine._loop = None
+        async with anyio.create_task_group() as tg:
+            engine._start_soon = tg.start_soon
+            job, later = _job(), _job()
+
+            def fail(transfer: Transfer) -> None:
+                raise RuntimeError("an observer's bug")
+
+            job.transfer._callbacks.append(fail)
+            engine._watch(job)
+            engine._watch(later)
+            _event(job).complete = _event(later).complete = True
+            with anyio.fail_after(10):
+                await job.transfer
+                await later.transfer  # finished by a later sweep of the same task
+
+    with capture_logs() as logs:
+        anyio.run(main, backend="trio")
+    failed = [e for e in logs if e["event"] == "transfer.sweep_failed"]
+    assert len(failed) == 1 and "observer's bug" in failed[0]["error"]
