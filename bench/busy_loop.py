@@ -2,6 +2,7 @@
 
     python3 bench/busy_loop.py --json-out $OUT/busy_loop.json
     python3 bench/busy_loop.py --backend trio     # the same on trio
+    python3 bench/busy_loop.py --no-sweep         # the engine without the loop-side sweep
 
 A large store is queued by a submitter thread, which needs the GIL for each step. With
 the loop idle it has it at once; with the loop busy in Python, every GIL hand-off can
@@ -43,12 +44,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
         "backend": args.backend,
+        "sweep": not args.no_sweep,
         "results": {},
     }
     async with OffloadManager.for_kv(layout, n, backend="cuda") as mgr:
         await mgr.pinned
         engine = mgr._engine
         assert isinstance(engine, CudaTransferEngine)
+        if args.no_sweep:  # the sweep counts as scheduled and never is: the engine without it
+            engine._sweeping = True
         half = args.blocks
         nbytes = half * layout.host_block_bytes
 
@@ -116,12 +120,17 @@ def main() -> None:
         "--switch-interval", type=float, help="sys.setswitchinterval for the run (seconds)"
     )
     parser.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    parser.add_argument("--no-sweep", action="store_true", help="the engine without its sweep")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    print(f"{args.backend}, switch interval {sys.getswitchinterval() * 1e3:g} ms", flush=True)
+    sweep = "off" if args.no_sweep else "on"
+    print(
+        f"{args.backend}, sweep {sweep}, switch interval {sys.getswitchinterval() * 1e3:g} ms",
+        flush=True,
+    )
     report = anyio.run(main_async, args, backend=args.backend)
     report["switch_interval_s"] = sys.getswitchinterval()
     if args.json_out:

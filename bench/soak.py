@@ -21,6 +21,7 @@ import json
 import random
 import sys
 import time
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -216,10 +217,21 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             await soak.cycle(index)
             if index == 0:
                 after_warm_up = usage()
+                if args.tracemalloc:  # Python's own allocations from here on
+                    tracemalloc.start(8)
+                    first = tracemalloc.take_snapshot()
             index += 1
     finally:
         handle.uninstall()
     end = usage()
+    python_growth: dict[str, Any] = {}
+    if args.tracemalloc and tracemalloc.is_tracing():
+        diff = tracemalloc.take_snapshot().compare_to(first, "lineno")
+        python_growth = {
+            "traced_bytes_now": tracemalloc.get_traced_memory()[0],
+            "top": [str(stat) for stat in diff[:12]],
+        }
+        tracemalloc.stop()
     return {
         "seconds": time.perf_counter() - t0,
         "counts": dict(soak.counts),
@@ -227,6 +239,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "start": start,
         "after_first_cycle": after_warm_up,
         "end": end,
+        "python_growth_after_first_cycle": python_growth,
     }
 
 
@@ -234,6 +247,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=200)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--tracemalloc", action="store_true", help="trace Python allocations after cycle 0"
+    )
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
@@ -246,4 +262,12 @@ if __name__ == "__main__":
         print(f"  {key:40} {c[key]}")
     print(f"  start {report['start']}\n  after cycle 0 {report['after_first_cycle']}")
     print(f"  end   {report['end']}")
+    growth = report["python_growth_after_first_cycle"]
+    if growth:
+        cycles = max(c.get("cycles", 0) - 1, 1)
+        print(
+            f"  Python heap traced after cycle 0: {growth['traced_bytes_now'] / cycles:.0f} B/cycle"
+        )
+        for line in growth["top"][:6]:
+            print(f"    {line}")
     print(f"errors ({len(report['errors'])}): {report['errors'][:10]}")
