@@ -283,15 +283,21 @@ class _Waiter(_Worker):
         event, report, settled = item
         if settled():  # a starved thread drains what the loop finished, GIL held
             return
+        error: BaseException | None = None
         try:
             # Waiting on an event would break a graph capture under way on another
             # thread: not while the capture gate is held.
             with outside_captures():
                 event.synchronize()  # a blocking-sync event: the thread sleeps
         except BaseException as exc:
-            report(exc)
-        else:
-            report(None)
+            error = exc
+        try:
+            report(error)
+        except Exception as exc:
+            # On trio the report waits for the loop to run the completion and returns
+            # its error. Logged, as asyncio logs a failed callback: this thread must
+            # live on to report the transfers queued behind.
+            _log.error("transfer.report_failed", error=repr(exc))
 
 
 class _Submitter(_Worker):

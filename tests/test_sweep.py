@@ -313,3 +313,24 @@ def test_on_trio_a_raising_callback_is_logged_and_the_task_goes_on() -> None:
         anyio.run(main, backend="trio")
     failed = [e for e in logs if e["event"] == "transfer.sweep_failed"]
     assert len(failed) == 1 and "observer's bug" in failed[0]["error"]
+
+
+def test_a_waiter_outlives_a_report_that_raises() -> None:
+    waiter = _Waiter("test-waiter")
+    try:
+        reported = threading.Event()
+
+        class Done:
+            def synchronize(self) -> None:
+                pass
+
+        def fail(error: BaseException | None) -> None:
+            raise RuntimeError("the loop's callback failed")
+
+        with capture_logs() as logs:
+            waiter.submit(Done(), fail)
+            waiter.submit(Done(), lambda error: reported.set())
+            assert reported.wait(10)  # the thread went on to the next transfer
+        assert [e["event"] for e in logs] == ["transfer.report_failed"]
+    finally:
+        waiter.close()
