@@ -228,8 +228,9 @@ def _asyncio_loop() -> asyncio.AbstractEventLoop | None:
 
 
 def _loop_caller() -> Callable[..., None]:
-    """A thread-safe, non-blocking "run this on the event loop soon" for the current loop:
-    asyncio's call_soon_threadsafe where it applies, anyio's portal otherwise."""
+    """A thread-safe "run this on the event loop" for the current loop: asyncio's
+    call_soon_threadsafe where it applies (it returns at once), anyio's portal otherwise
+    (it returns once the loop has run it, with its error)."""
     loop = _asyncio_loop()
     if loop is None:
         token = anyio.lowlevel.current_token()
@@ -297,7 +298,7 @@ class _Waiter(_Worker):
             # On trio the report waits for the loop to run the completion and returns
             # its error. Logged, as asyncio logs a failed callback: this thread must
             # live on to report the transfers queued behind.
-            _log.error("transfer.report_failed", error=repr(exc))
+            _log.error("transfer.report_failed", error=repr(exc), exc_info=exc)
 
 
 class _Submitter(_Worker):
@@ -488,20 +489,28 @@ class CudaTransferEngine:
             return "batch"
         else:
             method = "batch" if self._layout.block_bytes >= _BATCH_MIN_BLOCK_BYTES else "pack"
-        if method == "pack" and not self._staged(self._lanes[job.transfer.direction]):
+        if method == "pack" and job.transfer.num_blocks and not self._staged(job):
             return "batch"
         return method
 
-    def _staged(self, lane: _Lane) -> bool:
-        """Whether the lane has its pack staging, allocating it on the first pack job of a
-        layout whose default method is batch. Not while a graph capture is under way on
-        another thread (a device allocation would break it): the job then uses batch."""
+    def _staged(self, job: TransferJob) -> bool:
+        """Whether the job's lane has its pack staging, allocating it on the first pack job
+        of a layout whose default method is batch. Not while a graph capture is under way
+        on another thread (a device allocation would break it), and not if the device has
+        no room for it: the job then uses batch."""
+        lane = self._lanes[job.transfer.direction]
         if lane.staging is not None:
             return True
         with unless_capturing() as free:
-            if free:
-                lane.allocate_staging(self._rt, self._layout.host_block_bytes)
-            return free
+            if not free:
+                return False
+            try:
+                with self._on_device():
+                    lane.allocate_staging(self._rt, self._layout.host_block_bytes)
+            except RuntimeError as exc:  # torch.OutOfMemoryError is one
+                _log.warning("transfer.staging_failed", fallback="batch", error=repr(exc))
+                return False
+            return True
 
     def submit(self, job: TransferJob, *, pageable: bool) -> None:
         method = self._choose(job, pageable)
@@ -538,22 +547,25 @@ class CudaTransferEngine:
         """Track a job queued for the device until it is reported; sweep while any is."""
         self._outstanding[job.transfer.direction].append(job)
         if not self._sweeping:
-            self._sweeping = True
             if self._loop is not None:
                 self._loop.call_later(self._sweep_period(), self._sweep)
             else:
                 self._start_soon(self._sweeper)
+            self._sweeping = True
 
     async def _sweeper(self) -> None:
         """trio: sweeps as a task, until a sweep finds nothing outstanding. A sweep that
         raises (a transfer's callback did) is logged, as asyncio logs a failed timer
         callback, instead of failing the manager's task group."""
-        while self._sweeping:
-            await anyio.sleep(self._sweep_period())
-            try:
-                self._sweep()
-            except Exception as exc:
-                _log.error("transfer.sweep_failed", error=repr(exc))
+        try:
+            while self._sweeping:
+                await anyio.sleep(self._sweep_period())
+                try:
+                    self._sweep()
+                except Exception as exc:
+                    _log.error("transfer.sweep_failed", error=repr(exc), exc_info=exc)
+        finally:  # cancelled with the task group: the next job watched starts a new task
+            self._sweeping = False
 
     def _starved(self) -> bool:
         """Whether a sweep lately finished a transfer its waiter thread had not reported."""

@@ -176,9 +176,10 @@ def capture_gate() -> PausedContext:
     """Hold back, in every manager of the process, every CUDA call that would break a
     graph capture on this thread: pin and unpin calls, the transfer engine's waits on
     events, copies through pageable memory, and a manager's device set-up at open
-    (``with`` or ``async with``). Transfers may still be queued meanwhile, but none is
-    reported done until the gate is released: do not await one inside it, nor close a
-    manager (close waits for its transfers).
+    (``with`` or ``async with``). The pack method's staging, where it is allocated on
+    first use, is not allocated meanwhile: that transfer uses batch. Transfers may still
+    be queued meanwhile, but none is reported done until the gate is released: do not
+    await one inside it, nor close a manager (close waits for its transfers).
 
     Wrap an engine's whole warm-up / CUDA graph capture in it."""
     return PausedContext(_hold_all, _unhold_all)

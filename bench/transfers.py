@@ -129,7 +129,9 @@ async def bench_size(block_bytes: int, n: int, repeats: int, peers: bool) -> dic
                 sizes = torch.full_like(device, layout.block_bytes)
                 dst, src = (host, device) if direction == "store" else (device, host)
 
-                for key, attrs in (("peer_batch", vllm_attrs), ("peer_batch_overlap", rt.attrs)):
+                batched = rt.batch is not None  # CUDA 12.8 and later
+                peer_calls = (("peer_batch", vllm_attrs), ("peer_batch_overlap", rt.attrs))
+                for key, attrs in peer_calls if batched else ():
 
                     async def batch_peer(
                         dst: torch.Tensor = dst,

@@ -10,11 +10,14 @@ like when they were waited on.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
+from structlog.testing import capture_logs
 
 import asyncpin.gate
 from asyncpin import capture_gate
@@ -87,38 +90,65 @@ def test_a_capture_waits_for_a_wait_under_way(waiter: _Waiter) -> None:
 
 
 class _Lane:
-    """A lane without pack staging; records the allocations asked of it."""
+    """A lane without pack staging; records, for each allocation asked of it, how many
+    calls the process-wide gate counted in flight (the allocation must be one of them, so
+    that no capture can begin during it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail: bool = False) -> None:
         self.staging: object | None = None
-        self.allocations: list[bool] = []
+        self.allocations: list[int] = []
+        self._fail = fail
 
     def allocate_staging(self, rt: Any, host_block_bytes: int) -> object:
-        self.allocations.append(asyncpin.gate._global_holders > 0)
+        self.allocations.append(asyncpin.gate._global_in_flight)
+        if self._fail:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 MiB")
         self.staging = object()
         return self.staging
 
 
-def test_pack_staging_is_not_allocated_during_a_capture() -> None:
-    """With 2 MiB blocks pack is not the default, so its staging is allocated by the first
-    pack job; while the gate is held, that job uses batch and allocates nothing."""
+def _staging_engine(lane: _Lane) -> CudaTransferEngine:
     engine = CudaTransferEngine.__new__(CudaTransferEngine)
-    lane = _Lane()
     engine._kernel = object()
     engine._lanes = {"store": lane, "load": _Lane()}  # type: ignore[dict-item]
     engine._layout = SimpleNamespace(  # type: ignore[assignment]
         num_arrays=4, block_bytes=2 << 20, host_block_bytes=8 << 20
     )
     engine._rt = None  # type: ignore[assignment]
-    job = TransferJob(Transfer("store", 100, 100 << 23), list(range(100)), list(range(100)), "pack")
-    auto = TransferJob(
-        Transfer("store", 100, 100 << 23), list(range(100)), list(range(100)), "auto"
-    )
+    engine._on_device = contextlib.nullcontext  # type: ignore[method-assign]
+    return engine
+
+
+def _pack_job(blocks: int = 100, method: Any = "pack") -> TransferJob:
+    ids = list(range(blocks))
+    return TransferJob(Transfer("store", blocks, blocks << 23), ids, ids, method)
+
+
+def test_pack_staging_is_not_allocated_during_a_capture() -> None:
+    """With 2 MiB blocks pack is not the default, so its staging is allocated by the first
+    pack job; while the gate is held, that job uses batch and allocates nothing."""
+    lane = _Lane()
+    engine = _staging_engine(lane)
+    job, auto = _pack_job(), _pack_job(method="auto")
     with capture_gate():
         assert engine._choose(job, pageable=False) == "batch"
     assert lane.allocations == [] and lane.staging is None
     assert engine._choose(auto, pageable=False) == "batch"  # the default allocates nothing
+    assert engine._choose(_pack_job(blocks=0), pageable=False) == "pack"  # nor does nothing
     assert lane.allocations == []
     assert engine._choose(job, pageable=False) == "pack"
     assert engine._choose(job, pageable=False) == "pack"
-    assert lane.allocations == [False]  # once, with the gate free
+    assert lane.allocations == [1]  # once, counted in flight: a capture would wait for it
+    assert asyncpin.gate._global_in_flight == 0
+
+
+def test_no_room_for_pack_staging_means_batch() -> None:
+    """Out of device memory (next to a server's preallocated KV cache): the transfer uses
+    batch, and store() does not raise."""
+    lane = _Lane(fail=True)
+    engine = _staging_engine(lane)
+    with capture_logs() as logs:
+        assert engine._choose(_pack_job(), pageable=False) == "batch"
+    assert lane.allocations == [1] and lane.staging is None
+    assert [e["event"] for e in logs] == ["transfer.staging_failed"]
+    assert asyncpin.gate._global_in_flight == 0

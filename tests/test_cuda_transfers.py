@@ -510,6 +510,24 @@ class TestSecondGpu:
             assert mgr.stats().transfers_failed == 0
         assert torch.cuda.current_device() == 0
 
+    async def test_pack_staging_on_first_use(self) -> None:
+        torch.cuda.set_device(0)
+        kv = [torch.randn(2, 16, 512, 8, 128, device="cuda:1").to(torch.bfloat16) for _ in range(8)]
+        layout = KVLayout.from_tensors(kv, block_dim=1)  # 1 MiB blocks: batch by default
+        async with OffloadManager.for_kv(layout, 16, backend="cuda") as mgr:
+            await mgr.pinned
+            gpu, cpu = _ids(16, 16), _ids(16, 16)
+            with anyio.fail_after(60):
+                packed = mgr.store(gpu, cpu, method="pack")
+                await packed
+            assert packed.method == "pack"
+            staging = mgr._engine._lanes["store"].staging  # type: ignore[union-attr]
+            assert staging is not None and staging.device == torch.device("cuda", 1)
+            host = mgr.host_blocks()[cpu].to("cuda:1")
+            for a, array in enumerate(layout.arrays):
+                assert torch.equal(host[:, a], array[gpu]), f"array {a}"
+        assert torch.cuda.current_device() == 0
+
 
 class TestKernelVariants:
     """The manager compiles the copy kernel at open, and transfers of any size reuse it:

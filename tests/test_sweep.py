@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 from structlog.testing import capture_logs
 
@@ -334,3 +335,41 @@ def test_a_waiter_outlives_a_report_that_raises() -> None:
         assert [e["event"] for e in logs] == ["transfer.report_failed"]
     finally:
         waiter.close()
+
+
+def test_on_trio_a_cancelled_sweep_task_is_restarted_by_the_next_job() -> None:
+    pytest.importorskip("trio")
+
+    async def main() -> None:
+        engine = _engine()
+        engine._loop = None
+        async with anyio.create_task_group() as tg:
+            engine._start_soon = tg.start_soon
+            engine._watch(_job())  # never completes
+            await anyio.lowlevel.checkpoint()  # the task is sleeping until its first sweep
+            tg.cancel_scope.cancel()
+        assert not engine._sweeping  # cleared by the cancelled task
+        later = _job()
+        async with anyio.create_task_group() as tg:
+            engine._start_soon = tg.start_soon
+            engine._outstanding["load"].clear()
+            engine._watch(later)
+            assert engine._sweeping
+            _event(later).complete = True
+            with anyio.fail_after(10):
+                await later.transfer
+
+    anyio.run(main, backend="trio")
+
+
+def test_a_job_watched_when_no_task_can_start_leaves_the_sweep_unscheduled() -> None:
+    engine = _engine()
+    engine._loop = None
+
+    def closed(*args: Any) -> None:
+        raise RuntimeError("This task group is not active; no new tasks can be started.")
+
+    engine._start_soon = closed
+    with pytest.raises(RuntimeError, match="not active"):
+        engine._watch(_job())
+    assert not engine._sweeping
