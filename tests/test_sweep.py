@@ -11,10 +11,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from types import SimpleNamespace
 from typing import Any
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 import pytest
 from structlog.testing import capture_logs
@@ -252,6 +255,20 @@ def test_a_waiter_skips_what_the_loop_has_finished() -> None:
         waiter.close()
 
 
+def _trio_engine() -> CudaTransferEngine:
+    engine = _engine()
+    engine._loop = None  # not asyncio: the sweep runs as a task
+    return engine
+
+
+@asynccontextmanager
+async def _task_group(engine: CudaTransferEngine) -> AsyncIterator[anyio.abc.TaskGroup]:
+    """A task group standing in for the manager's, where the engine starts its tasks."""
+    async with anyio.create_task_group() as tg:
+        engine._start_soon = tg.start_soon
+        yield tg
+
+
 def test_on_trio_a_task_sweeps_while_jobs_are_outstanding() -> None:
     """trio has no timers: the sweep runs as a task in the manager's task group, started
     by the first job watched and ended by the first sweep that finds nothing left."""
@@ -259,10 +276,8 @@ def test_on_trio_a_task_sweeps_while_jobs_are_outstanding() -> None:
     finished: list[TransferJob] = []
 
     async def main() -> None:
-        engine = _engine()
-        engine._loop = None
-        async with anyio.create_task_group() as tg:
-            engine._start_soon = tg.start_soon
+        engine = _trio_engine()
+        async with _task_group(engine):
             first, second = _job(), _job("store")
             engine._watch(first)
             engine._watch(second)
@@ -276,9 +291,7 @@ def test_on_trio_a_task_sweeps_while_jobs_are_outstanding() -> None:
         # The group's exit waited for the task, which ended with nothing outstanding.
         assert not engine._sweeping and not any(engine._outstanding.values())
         later = _job()
-        engine._loop = None
-        async with anyio.create_task_group() as tg:
-            engine._start_soon = tg.start_soon
+        async with _task_group(engine):
             engine._watch(later)  # a new burst starts a new task
             _event(later).complete = True
             with anyio.fail_after(10):
@@ -293,10 +306,8 @@ def test_on_trio_a_raising_callback_is_logged_and_the_task_goes_on() -> None:
     pytest.importorskip("trio")
 
     async def main() -> None:
-        engine = _engine()
-        engine._loop = None
-        async with anyio.create_task_group() as tg:
-            engine._start_soon = tg.start_soon
+        engine = _trio_engine()
+        async with _task_group(engine):
             job, later = _job(), _job()
 
             def fail(transfer: Transfer) -> None:
@@ -341,17 +352,14 @@ def test_on_trio_a_cancelled_sweep_task_is_restarted_by_the_next_job() -> None:
     pytest.importorskip("trio")
 
     async def main() -> None:
-        engine = _engine()
-        engine._loop = None
-        async with anyio.create_task_group() as tg:
-            engine._start_soon = tg.start_soon
+        engine = _trio_engine()
+        async with _task_group(engine) as tg:
             engine._watch(_job())  # never completes
             await anyio.lowlevel.checkpoint()  # the task is sleeping until its first sweep
             tg.cancel_scope.cancel()
         assert not engine._sweeping  # cleared by the cancelled task
         later = _job()
-        async with anyio.create_task_group() as tg:
-            engine._start_soon = tg.start_soon
+        async with _task_group(engine):
             engine._outstanding["load"].clear()
             engine._watch(later)
             assert engine._sweeping
@@ -363,8 +371,7 @@ def test_on_trio_a_cancelled_sweep_task_is_restarted_by_the_next_job() -> None:
 
 
 def test_a_job_watched_when_no_task_can_start_leaves_the_sweep_unscheduled() -> None:
-    engine = _engine()
-    engine._loop = None
+    engine = _trio_engine()
 
     def closed(*args: Any) -> None:
         raise RuntimeError("This task group is not active; no new tasks can be started.")
