@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, ClassVar
 
@@ -179,32 +179,34 @@ class TestQueuedBackToBack:
     device id buffer they share is rewritten in stream order, after the first job's
     kernels have read it."""
 
+    @staticmethod
+    async def _two_behind_a_busy_stream(queue: Callable[[slice], Transfer]) -> None:
+        """Queue the first and second halves while the caller's stream holds both back."""
+        torch.cuda._sleep(200_000_000)
+        first, second = queue(slice(0, 300)), queue(slice(300, 600))
+        assert not first.done()
+        with anyio.fail_after(60):
+            await first
+            await second
+
     @pytest.mark.parametrize("method", ["pack", "kernel"])
-    async def test_two_stores(self, method: str) -> None:
+    async def test_two_stores(self, method: Any) -> None:
         async with kv_manager() as (mgr, layout):
             gpu, cpu = _ids(600, BLOCKS), _ids(600, HOST_BLOCKS)
-            torch.cuda._sleep(200_000_000)  # the caller's stream holds both jobs back
-            first = mgr.store(gpu[:300], cpu[:300], method=method)  # type: ignore[arg-type]
-            second = mgr.store(gpu[300:], cpu[300:], method=method)  # type: ignore[arg-type]
-            assert not first.done()
-            with anyio.fail_after(60):
-                await first
-                await second
+            await self._two_behind_a_busy_stream(
+                lambda half: mgr.store(gpu[half], cpu[half], method=method)
+            )
             _check_host(mgr, layout, gpu, cpu)
 
     @pytest.mark.parametrize("method", ["pack", "kernel"])
-    async def test_two_loads(self, method: str) -> None:
+    async def test_two_loads(self, method: Any) -> None:
         async with kv_manager() as (mgr, layout):
             gpu, cpu = _ids(600, BLOCKS), _ids(600, HOST_BLOCKS)
             host = mgr.host_blocks()
             host[cpu] = torch.randn(host[cpu].shape).to(host.dtype)
-            torch.cuda._sleep(200_000_000)
-            first = mgr.load(cpu[:300], gpu[:300], method=method)  # type: ignore[arg-type]
-            second = mgr.load(cpu[300:], gpu[300:], method=method)  # type: ignore[arg-type]
-            assert not first.done()
-            with anyio.fail_after(60):
-                await first
-                await second
+            await self._two_behind_a_busy_stream(
+                lambda half: mgr.load(cpu[half], gpu[half], method=method)
+            )
             expected = host[cpu].to("cuda")
             for a, array in enumerate(layout.arrays):
                 assert torch.equal(array[gpu], expected[:, a]), f"array {a} differs"
