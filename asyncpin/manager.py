@@ -105,6 +105,9 @@ class ManagerStats:
     transfers_pageable: int = 0
     transfers_failed: int = 0
     transfers_in_flight: int = 0
+    #: Bytes still mapped after close because tensors viewing them are alive (0 once the
+    #: last view is gone): never pinned, never handed to anything else.
+    mapped_by_views_bytes: int = 0
 
     @property
     def pinned_fraction(self) -> float:
@@ -285,13 +288,26 @@ class OffloadManager:
         if self._attach:
             assert self._name is not None
             region = HostRegion.attach(
-                self._name, hugepages=self._hugepages, preflight=self._backend.preflight
+                self._name,
+                hugepages=self._hugepages,
+                preflight=self._backend.preflight,
+                layout=self._layout_description(),
             )
         else:
             self._preflight()
             region = HostRegion.create(
-                self._nbytes, backing=self._backing, name=self._name, hugepages=self._hugepages
+                self._nbytes,
+                backing=self._backing,
+                name=self._name,
+                hugepages=self._hugepages,
+                layout=self._layout_description(),
             )
+            if region.reclaimed_stale:
+                self._log.warning(
+                    "region.reclaimed_stale",
+                    region_name=region.name,
+                    reason="its creator was gone; the new region replaces it",
+                )
         try:
             self._nbytes = region.nbytes
             if self._layout is not None:
@@ -355,6 +371,20 @@ class OffloadManager:
             # exception in an ExceptionGroup; the caller must get it unchanged.
             await self._tg.__aexit__(None, None, None)
         return None
+
+    def _layout_description(self) -> dict[str, Any] | None:
+        """What the bytes of a shared region mean, recorded in its header and checked by
+        an attacher."""
+        layout = self._layout
+        if layout is None:
+            return None
+        return {
+            "num_arrays": layout.num_arrays,
+            "block_shape": list(layout.block_shape),
+            "dtype": str(layout.dtype),
+            "host_block_bytes": layout.host_block_bytes,
+            "num_host_blocks": self._num_host_blocks,
+        }
 
     def _preflight(self) -> None:
         available = _sys.mem_available_bytes()
@@ -428,6 +458,10 @@ class OffloadManager:
                     # Off the loop: it joins the engine's threads, and a completion waiter
                     # may be held at the capture gate until a capture ends.
                     await anyio.to_thread.run_sync(self._engine.close, limiter=limiter)
+                # The manager's own views go, so that only the application's can keep the
+                # address range mapped past close.
+                self._engine = None
+                self._host_blocks = None
                 leaked = await anyio.to_thread.run_sync(scheduler.unpin_all, limiter=limiter)
                 for chunk, exc in leaked:
                     self._log.error(
@@ -441,7 +475,16 @@ class OffloadManager:
                 self._leaked = len(leaked)
                 # munmap of many GiB takes tens of ms: off the event loop too.
                 keep = [chunk for chunk, _ in leaked]
-                await anyio.to_thread.run_sync(lambda: region.release(keep=keep), limiter=limiter)
+                unmapped = await anyio.to_thread.run_sync(
+                    lambda: region.release(keep=keep), limiter=limiter
+                )
+                if not unmapped:
+                    self._log.warning(
+                        "region.kept_by_views",
+                        nbytes=region.nbytes,
+                        action="unpinned; the range stays mapped until the last view of it "
+                        "is gone",
+                    )
             finally:
                 self._pinned.resolve(
                     anyio.ClosedResourceError("the manager closed before pinning completed")
@@ -516,7 +559,7 @@ class OffloadManager:
         return self._nbytes / (1 << 30) / self._seconds_to_pinned
 
     def stats(self) -> ManagerStats:
-        scheduler = self._scheduler
+        scheduler, region = self._scheduler, self._region
         error = self._pinned.error
         return ManagerStats(
             state=self._state.value,
@@ -545,6 +588,7 @@ class OffloadManager:
             transfers_pageable=self._counts["pageable"],
             transfers_failed=self._counts["failed"],
             transfers_in_flight=len(self._inflight),
+            mapped_by_views_bytes=region.mapped_by_views_bytes() if region is not None else 0,
         )
 
     # -- KV transfers -----------------------------------------------------------------

@@ -10,14 +10,18 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import gc
+import json
 import mmap
 import os
 import re
 import stat
+import struct
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -29,8 +33,11 @@ __all__ = [
     "Chunk",
     "HostRegion",
     "HugePages",
+    "RegionHeader",
     "is_stale",
     "round_to_pages",
+    "shm_free_bytes",
+    "stale_regions",
     "unlink_stale",
 ]
 
@@ -40,7 +47,16 @@ HugePages = Literal["thp", "hugetlb", "none"]
 SHM_DIR = Path("/dev/shm")
 _HUGE_PAGE = 2 << 20
 _MAP_HUGETLB = 0x40000
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+# Far beyond any machine's memory, and far below where size arithmetic (and size_t) wraps.
+MAX_NBYTES = 1 << 56
+
+# A shared region's file is its data followed by one header page that says it is asyncpin's.
+_MAGIC = b"ASYNCPIN-REGION\x00"
+_VERSION = 1
+_HEADER = struct.Struct("<16sIIQQI")  # magic, version, header bytes, data bytes, pid, layout len
+HEADER_BYTES = _sys.PAGE_SIZE
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def round_to_pages(nbytes: int) -> int:
@@ -56,23 +72,107 @@ class Chunk:
     nbytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class RegionHeader:
+    """What a shared region's header page records: the data size, the creator's pid and
+    what the bytes mean (the KV layout, when the creator had one)."""
+
+    nbytes: int
+    creator_pid: int
+    layout: dict[str, Any] | None = None
+
+    def pack(self) -> bytes:
+        layout = json.dumps(self.layout, sort_keys=True).encode() if self.layout else b""
+        head = _HEADER.pack(
+            _MAGIC, _VERSION, HEADER_BYTES, self.nbytes, self.creator_pid, len(layout)
+        )
+        if len(head) + len(layout) > HEADER_BYTES:
+            raise ConfigError("the KV layout's description does not fit in a region header")
+        return (head + layout).ljust(HEADER_BYTES, b"\x00")
+
+    @classmethod
+    def read(cls, fd: int, file_size: int) -> RegionHeader | None:
+        """The header of the file open as ``fd``, or None if it is not an asyncpin region."""
+        if file_size < HEADER_BYTES + _sys.PAGE_SIZE or file_size % _sys.PAGE_SIZE:
+            return None
+        data = os.pread(fd, HEADER_BYTES, file_size - HEADER_BYTES)
+        if len(data) < _HEADER.size:
+            return None
+        magic, version, header_bytes, nbytes, pid, layout_len = _HEADER.unpack_from(data)
+        if (
+            magic != _MAGIC
+            or version != _VERSION
+            or header_bytes != HEADER_BYTES
+            or nbytes + HEADER_BYTES != file_size
+            or _HEADER.size + layout_len > HEADER_BYTES
+        ):
+            return None
+        layout = None
+        if layout_len:
+            try:
+                layout = json.loads(data[_HEADER.size : _HEADER.size + layout_len])
+            except ValueError:
+                return None
+            if not isinstance(layout, dict):
+                return None
+        return cls(nbytes, pid, layout)
+
+
+class _Mapping:
+    """The address range of one region. The region and every view of it hold it; once the
+    region is released, the range is unmapped when the last holder lets go, so no view can
+    read unmapped memory or reach whatever is mapped there next."""
+
+    __slots__ = ("__weakref__", "address", "keep", "nbytes", "pid", "released")
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.address = address
+        self.nbytes = nbytes
+        self.pid = os.getpid()
+        self.keep: list[Chunk] = []
+        self.released = False
+
+    def __del__(self) -> None:
+        # A forked child has no such mapping (MADV_DONTFORK): the range may hold the
+        # child's own memory, which must not be unmapped.
+        if self.released and os.getpid() == self.pid:
+            _unmap_except(self.address, self.nbytes, self.keep)
+
+
+def _unmap_except(address: int, nbytes: int, keep: list[Chunk]) -> None:
+    cursor = 0
+    for chunk in sorted(keep, key=lambda c: c.offset):
+        if chunk.offset > cursor:
+            _sys.libc_munmap(address + cursor, chunk.offset - cursor)
+        cursor = chunk.offset + chunk.nbytes
+    if cursor < nbytes:
+        _sys.libc_munmap(address + cursor, nbytes - cursor)
+
+
 class HostRegion:
     """One mapping of host memory.
 
-    Use :meth:`create` or :meth:`attach`; :meth:`close` releases it. After close every
-    view handed out earlier points at unmapped memory and must not be touched.
+    Use :meth:`create` or :meth:`attach`; :meth:`release` (or :meth:`close`) gives it up.
+    A view handed out by :meth:`view` keeps the address range mapped for as long as the
+    view (or any tensor made from it) lives, even past release: reading a stale view
+    reads the old bytes, and writing to it can never reach another allocation.
     """
 
     __slots__ = (
         "_address",
         "_closed",
         "_fd",
+        "_file_id",
+        "_mapping",
+        "_mapping_ref",
         "_owner",
-        "_path",
+        "_pid",
         "backing",
+        "header",
         "hugepages",
         "name",
         "nbytes",
+        "reclaimed_stale",
     )
 
     def __init__(
@@ -84,18 +184,25 @@ class HostRegion:
         hugepages: HugePages,
         name: str | None,
         fd: int,
-        path: Path | None,
         owner: bool,
+        header: RegionHeader | None = None,
+        reclaimed_stale: bool = False,
     ) -> None:
         self._address = address
         self.nbytes = nbytes
         self.backing: Backing = backing
         self.hugepages: HugePages = hugepages
         self.name = name
+        self.header = header
+        #: Whether creating it removed a stale region of the same name (its creator was gone).
+        self.reclaimed_stale = reclaimed_stale
         self._fd = fd
-        self._path = path
+        self._file_id = _file_id(os.fstat(fd)) if fd >= 0 else None
         self._owner = owner
+        self._pid = os.getpid()
         self._closed = False
+        self._mapping: _Mapping | None = _Mapping(address, nbytes)
+        self._mapping_ref = weakref.ref(self._mapping)
 
     # -- construction -----------------------------------------------------------------
 
@@ -107,11 +214,16 @@ class HostRegion:
         backing: Backing = "anonymous",
         name: str | None = None,
         hugepages: HugePages = "thp",
+        layout: dict[str, Any] | None = None,
     ) -> HostRegion:
         """Map ``nbytes`` (rounded up to a page) of fresh memory.
 
-        For ``backing="shared"`` a file ``/dev/shm/<name>`` is created exclusively with
-        mode 0600; it is unlinked when this region closes.
+        For ``backing="shared"`` the file ``/dev/shm/<name>`` (mode 0600) appears only once
+        it is complete: sized, locked by its creator and ending with a header page that
+        records its size and ``layout``. A stale region of the same name, made by asyncpin
+        and left by a creator that is gone, is removed first (``reclaimed_stale``); any
+        other file of that name is a ConfigError. The file is unlinked when this region is
+        released, if it is still this region's.
         """
         nbytes = validate_nbytes(nbytes)
         if hugepages not in ("thp", "hugetlb", "none"):
@@ -135,42 +247,12 @@ class HostRegion:
                 hugepages=hugepages,
                 name=None,
                 fd=-1,
-                path=None,
                 owner=True,
             )
         elif backing == "shared":
-            path = _shm_path(name)
-            check_shm_space(nbytes)
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileExistsError:
-                raise ConfigError(
-                    f"a shared region named {name!r} already exists ({path}); "
-                    "attach to it, or pick another name"
-                ) from None
-            try:
-                # Held until this process closes the file or dies: how is_stale() tells a
-                # live creator from a killed one. Taken before the file has a size, so a
-                # file without a size is never mistaken for a stale one.
-                fcntl.flock(fd, fcntl.LOCK_SH)
-                os.ftruncate(fd, nbytes)
-                address = _sys.libc_mmap(
-                    nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd
-                )
-            except BaseException:
-                os.close(fd)
-                path.unlink(missing_ok=True)
-                raise
-            region = cls(
-                address=address,
-                nbytes=nbytes,
-                backing=backing,
-                hugepages=hugepages,
-                name=name,
-                fd=fd,
-                path=path,
-                owner=True,
-            )
+            _check_name(name)
+            assert name is not None
+            region = _create_shared(cls, nbytes, name, hugepages, layout)
         else:
             raise ConfigError(f"unknown backing {backing!r}: use 'anonymous' or 'shared'")
         region._advise()
@@ -183,26 +265,32 @@ class HostRegion:
         *,
         hugepages: HugePages = "thp",
         preflight: Callable[[int], None] | None = None,
+        layout: dict[str, Any] | None = None,
     ) -> HostRegion:
         """Map an existing shared region by name. An attacher never unlinks it.
 
-        ``preflight(nbytes)`` runs once the size is known, before anything is mapped."""
-        path = _shm_path(name)
+        Only a region made by asyncpin is accepted: the file is opened without following
+        a symbolic link, must be a regular file in /dev/shm owned by this user with mode
+        0600, and must end with a valid header. If the header records a KV layout and
+        ``layout`` is given, they must agree. Before anything is mapped, the memory that
+        attaching would add (the part of the region not backed yet) is checked against
+        MemAvailable, then ``preflight(nbytes)`` runs."""
+        _check_name(name)
+        fd, info, header = _open_own(name, os.O_RDWR)
         try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            raise RegionNotFoundError(name, str(path)) from None
-        except IsADirectoryError:
-            raise ConfigError(f"{path} is a directory, not a shared region") from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-                raise ConfigError(
-                    f"{path} is not a regular file owned by uid {os.geteuid()}; refusing to attach"
+            if layout is not None and header.layout is not None:
+                _check_layout(name, header.layout, layout)
+            nbytes = header.nbytes
+            unbacked = max(0, info.st_size - info.st_blocks * 512)
+            available = _sys.mem_available_bytes()
+            if unbacked > available:
+                raise PreflightError(
+                    "memory",
+                    unbacked,
+                    available,
+                    f"{unbacked} bytes of shared region {name!r} are not backed yet and "
+                    "pinning it would fault them in: free memory first",
                 )
-            nbytes = info.st_size
-            if nbytes <= 0 or nbytes % _sys.PAGE_SIZE:
-                raise ConfigError(f"{path} has size {nbytes}, not a region made by asyncpin")
             if preflight is not None:
                 preflight(nbytes)
             address = _sys.libc_mmap(nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd)
@@ -216,8 +304,8 @@ class HostRegion:
             hugepages=hugepages,
             name=name,
             fd=fd,
-            path=path,
             owner=False,
+            header=header,
         )
         region._advise()
         return region
@@ -247,6 +335,10 @@ class HostRegion:
     def closed(self) -> bool:
         return self._closed
 
+    def mapped_by_views_bytes(self) -> int:
+        """Bytes still mapped after release because views of them are alive (0 otherwise)."""
+        return self.nbytes if self._closed and self._mapping_ref() is not None else 0
+
     def chunks(self, chunk_bytes: int) -> list[Chunk]:
         """Cut the region into ``chunk_bytes`` pieces (a page multiple); the last may be short."""
         if chunk_bytes <= 0 or chunk_bytes % _sys.PAGE_SIZE:
@@ -260,15 +352,27 @@ class HostRegion:
         ]
 
     def view(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
-        """A uint8 tensor over ``[offset, offset + nbytes)``; valid until :meth:`close`."""
+        """A uint8 tensor over ``[offset, offset + nbytes)``. It (and every tensor made
+        from it) keeps that memory mapped while it lives, past :meth:`release` too."""
         self._check_open()
         if nbytes is None:
             nbytes = self.nbytes - offset
-        if offset < 0 or nbytes <= 0 or offset + nbytes > self.nbytes:
+        if (
+            isinstance(offset, bool)
+            or not isinstance(offset, int)
+            or isinstance(nbytes, bool)
+            or not isinstance(nbytes, int)
+            or offset < 0
+            or nbytes <= 0
+            or offset + nbytes > self.nbytes
+        ):
             raise ConfigError(
-                f"view [{offset}, {offset + nbytes}) is outside the region of {self.nbytes} bytes"
+                f"view of {nbytes!r} bytes at offset {offset!r} is outside the region of "
+                f"{self.nbytes} bytes"
             )
         array = (ctypes.c_uint8 * nbytes).from_address(self._address + offset)
+        # The tensor holds the ctypes array, which holds the mapping.
+        array._asyncpin_mapping = self._mapping  # type: ignore[attr-defined]
         return torch.frombuffer(array, dtype=torch.uint8)
 
     def prefault(self, offset: int, nbytes: int) -> None:
@@ -279,14 +383,22 @@ class HostRegion:
         before 5.14 lack it (EINVAL): then this does nothing and the pin call (mlock,
         cudaHostRegister) faults the pages in itself. Touching them with writes is no
         substitute: the chunk may already hold data (an attached region, or a pageable
-        store that reached the chunk first), and a memset erased it.
+        store that reached the chunk first), and a memset erased it. For a shared region,
+        a full /dev/shm is reported as ENOSPC.
         """
         self._check_open()
         try:
             _sys.libc_madvise(self._address + offset, nbytes, _sys.MADV_POPULATE_WRITE)
         except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
+            if exc.errno == errno.EINVAL:
+                return
+            if exc.errno == errno.EFAULT and self.backing == "shared":
+                raise _sys.LibcError(
+                    f"faulting in /dev/shm/{self.name} (the file system ran out of space: "
+                    f"{_shm_free_raw()} bytes free after what other files were promised)",
+                    errno.ENOSPC,
+                ) from exc
+            raise
 
     def hugepage_bytes(self) -> int:
         """Bytes of this mapping backed by transparent huge pages (from /proc/self/smaps)."""
@@ -306,24 +418,36 @@ class HostRegion:
                 total += int(line.split()[1]) * 1024
         return total
 
-    def release(self, keep: list[Chunk] | None = None) -> None:
-        """Unmap the region except the chunks in ``keep`` (leaked on purpose), close the
-        file and, for the creator of a shared region, unlink it. Idempotent."""
+    def release(self, keep: list[Chunk] | None = None) -> bool:
+        """Give the region up: unmap it except the chunks in ``keep`` (leaked on purpose),
+        close the file and, for the creator of a shared region, unlink it if the name
+        still leads to this region's file. Idempotent.
+
+        Returns True when the address range was unmapped now, False when views of it are
+        still alive: the range (no longer pinned) is then unmapped when the last view is
+        gone. In a forked child nothing is unmapped or unlinked: the region is the parent's.
+        """
         if self._closed:
-            return
+            return self._mapping_ref() is None
         self._closed = True
-        cursor = 0
-        for chunk in sorted(keep or [], key=lambda c: c.offset):
-            if chunk.offset > cursor:
-                _sys.libc_munmap(self._address + cursor, chunk.offset - cursor)
-            cursor = chunk.offset + chunk.nbytes
-        if cursor < self.nbytes:
-            _sys.libc_munmap(self._address + cursor, self.nbytes - cursor)
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        if self._owner and self._path is not None:
-            self._path.unlink(missing_ok=True)
+        mapping, self._mapping = self._mapping, None
+        assert mapping is not None
+        if os.getpid() != self._pid:
+            self._fd = -1  # the parent's descriptor, inherited: leave it to the parent
+            return False
+        try:
+            if self._owner and self.name is not None:
+                _unlink_if_same(self.name, self._file_id)
+        finally:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            mapping.keep = list(keep or [])
+            mapping.released = True
+            del mapping  # unmapped here unless a view holds it
+        if self._mapping_ref() is not None:
+            gc.collect()  # views caught in reference cycles that nothing reaches any more
+        return self._mapping_ref() is None
 
     def close(self) -> None:
         self.release()
@@ -345,37 +469,216 @@ def validate_nbytes(nbytes: int) -> int:
         raise ConfigError(f"nbytes must be an int, not {type(nbytes).__name__}")
     if nbytes <= 0:
         raise ConfigError(f"nbytes must be positive, got {nbytes}")
+    if nbytes > MAX_NBYTES:
+        raise ConfigError(f"nbytes={nbytes} is larger than any machine's memory ({MAX_NBYTES})")
     return round_to_pages(nbytes)
 
 
-def check_shm_space(nbytes: int) -> None:
+def _shm_free_raw() -> int:
+    """Free bytes in /dev/shm less the bytes its sparse files were promised (their size)
+    and do not hold yet: a file's size takes no space until its pages are touched, so the
+    plain free space lets two regions promise the same memory. Negative when over-promised."""
     st = os.statvfs(SHM_DIR)
-    free = st.f_bavail * st.f_frsize
+    promised = 0
+    with os.scandir(SHM_DIR) as entries:
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue  # removed meanwhile
+            if stat.S_ISREG(info.st_mode):
+                promised += max(0, info.st_size - info.st_blocks * 512)
+    return st.f_bavail * st.f_frsize - promised
+
+
+def shm_free_bytes() -> int:
+    """Bytes a new region in /dev/shm can count on (see :func:`_shm_free_raw`)."""
+    return max(0, _shm_free_raw())
+
+
+def check_shm_space(nbytes: int) -> None:
+    free = shm_free_bytes()
     if nbytes > free:
         raise PreflightError(
             "shm",
             nbytes,
             free,
-            f"free space in {SHM_DIR} or enlarge it (mount -o remount,size=... {SHM_DIR}; "
-            "in docker: --shm-size)",
+            f"free space in {SHM_DIR} (less what other files there were promised and do "
+            f"not hold yet) or enlarge it (mount -o remount,size=... {SHM_DIR}; in docker: "
+            "--shm-size)",
         )
+
+
+def _create_shared(
+    cls: type[HostRegion],
+    nbytes: int,
+    name: str,
+    hugepages: HugePages,
+    layout: dict[str, Any] | None,
+) -> HostRegion:
+    header = RegionHeader(nbytes, os.getpid(), layout)
+    header_page = header.pack()  # a layout too large is refused before anything is made
+    check_shm_space(nbytes + HEADER_BYTES)
+    dir_fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        # An unnamed file, published under its name only once it is complete: a creator
+        # killed on the way leaves nothing behind.
+        fd = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        address = None
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask
+            # Held until this process closes the file or dies: how is_stale() tells a live
+            # creator from a killed one.
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.ftruncate(fd, nbytes + HEADER_BYTES)
+            os.pwrite(fd, header_page, nbytes)
+            reclaimed = _publish(fd, name, dir_fd)
+            try:
+                # Checked again with this file visible: two creators that passed the check
+                # at once must not both keep memory that only one of them can have.
+                if _shm_free_raw() < 0:
+                    raise PreflightError(
+                        "shm",
+                        nbytes,
+                        shm_free_bytes(),
+                        f"free space in {SHM_DIR}: another region took it while this one was made",
+                    )
+                address = _sys.libc_mmap(
+                    nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd
+                )
+            except BaseException:
+                _unlink_if_same(name, _file_id(os.fstat(fd)))
+                raise
+        except BaseException:
+            if address is not None:
+                _sys.libc_munmap(address, nbytes)
+            os.close(fd)
+            raise
+    finally:
+        os.close(dir_fd)
+    return cls(
+        address=address,
+        nbytes=nbytes,
+        backing="shared",
+        hugepages=hugepages,
+        name=name,
+        fd=fd,
+        owner=True,
+        header=header,
+        reclaimed_stale=reclaimed,
+    )
+
+
+def _publish(fd: int, name: str, dir_fd: int) -> bool:
+    """Give the unnamed file ``fd`` its name; True if a stale region had to go first."""
+    path = SHM_DIR / name
+    reclaimed = False
+    for _ in range(8):  # each pass loses a race with another process at most
+        try:
+            os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd)
+            return reclaimed
+        except FileExistsError:
+            pass
+        try:
+            stale = is_stale(name)
+        except RegionNotFoundError:
+            continue  # gone meanwhile
+        except ConfigError:
+            raise ConfigError(
+                f"{path} exists and is not a region made by asyncpin; pick another name"
+            ) from None
+        if not stale:
+            raise ConfigError(
+                f"a shared region named {name!r} already exists ({path}) and its creator is "
+                "alive; attach to it, or pick another name"
+            )
+        reclaimed = unlink_stale(name) or reclaimed
+    raise ConfigError(f"could not create {path}: other processes keep creating and removing it")
+
+
+def _file_id(info: os.stat_result) -> tuple[int, int]:
+    return info.st_dev, info.st_ino
+
+
+def _unlink_if_same(name: str, file_id: tuple[int, int] | None) -> None:
+    """Unlink /dev/shm/<name> only if it is still the file ``file_id`` names."""
+    try:
+        now = os.stat(SHM_DIR / name, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if _file_id(now) == file_id:
+        (SHM_DIR / name).unlink(missing_ok=True)
+
+
+def _open_own(name: str, flags: int) -> tuple[int, os.stat_result, RegionHeader]:
+    """Open /dev/shm/<name> if it is a region made by asyncpin, of this user.
+
+    Never follows a symbolic link; the opened file must be a regular file on the /dev/shm
+    file system, owned by this user, mode 0600, one link, with a valid header. Raises
+    RegionNotFoundError, or ConfigError saying which check failed."""
+    path = SHM_DIR / name
+    try:
+        fd = os.open(path, flags | _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise RegionNotFoundError(name, str(path)) from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a directory, not a shared region") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(
+                f"{path} is a symbolic link; refusing to follow it (not a region made by asyncpin)"
+            ) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        uid = os.geteuid()
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+            raise ConfigError(
+                f"{path} is not a regular file owned by uid {uid}; refusing to attach"
+            )
+        if info.st_dev != os.stat(SHM_DIR).st_dev or info.st_nlink != 1:
+            raise ConfigError(f"{path} is linked from elsewhere; refusing to attach")
+        header = RegionHeader.read(fd, info.st_size)
+        if header is None:
+            raise ConfigError(
+                f"{path} has size {info.st_size} and no asyncpin header: not a region made by "
+                "asyncpin"
+            )
+        if stat.S_IMODE(info.st_mode) != 0o600:
+            raise ConfigError(
+                f"{path} has mode {stat.S_IMODE(info.st_mode):o}, not 0600: not a region made "
+                "by asyncpin"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info, header
+
+
+def _check_layout(name: str, recorded: dict[str, Any], expected: dict[str, Any]) -> None:
+    for key in sorted(recorded.keys() & expected.keys()):
+        if key == "num_host_blocks":
+            continue  # an attacher may use fewer; the size check covers it
+        if recorded[key] != expected[key]:
+            raise ConfigError(
+                f"shared region {name!r} holds KV blocks with {key}={recorded[key]!r}, "
+                f"not {expected[key]!r}: the creator's KV layout differs from this one"
+            )
 
 
 def is_stale(name: str) -> bool:
     """Whether the shared region ``name`` outlived its creator: the creator died (killed,
-    say) without unlinking it. Raises RegionNotFoundError if there is no such file.
+    say) without unlinking it. Raises RegionNotFoundError if there is no such file, and
+    ConfigError if the file is not a region made by asyncpin (of this user).
 
     A creator holds a shared ``flock`` on its file for as long as it has the region open
     (a child it forked without exec, which inherits the descriptor, holds it too); the
     kernel drops it when the process dies. Attachers take no lock, so a region that
     attachers still map is stale all the same once its creator is gone: only its name is
-    left to clean up (:func:`unlink_stale`). A file being created (no size yet) is not.
+    left to clean up (:func:`unlink_stale`).
     """
-    path = _shm_path(name)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise RegionNotFoundError(name, str(path)) from None
+    _check_name(name)
+    fd, _, _ = _open_own(name, os.O_RDONLY)
     try:
         return _locked_if_stale(fd)
     finally:
@@ -383,31 +686,51 @@ def is_stale(name: str) -> bool:
 
 
 def unlink_stale(name: str) -> bool:
-    """Unlink the shared region ``name`` if it is stale (see :func:`is_stale`); returns
-    whether it did. Processes that still map it keep their mappings; the memory goes back
-    when the last one unmaps it. A region of a live creator is left alone."""
-    path = _shm_path(name)
+    """Unlink the shared region ``name`` if it is asyncpin's and stale (see
+    :func:`is_stale`); returns whether it did. Processes that still map it keep their
+    mappings; the memory goes back when the last one unmaps it. A region of a live
+    creator, a missing name and a file that is not asyncpin's are left alone."""
+    _check_name(name)
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+        fd, info, _ = _open_own(name, os.O_RDONLY)
+    except (RegionNotFoundError, ConfigError):
         return False
     try:
         if not _locked_if_stale(fd):
             return False
         # Unlink the file we found stale, not one created under the same name since.
-        mine, now = os.fstat(fd), os.stat(path)
-        if (mine.st_dev, mine.st_ino) != (now.st_dev, now.st_ino):
+        try:
+            now = os.stat(SHM_DIR / name, follow_symlinks=False)
+        except FileNotFoundError:
             return False
-        path.unlink()
+        if _file_id(now) != _file_id(info):
+            return False
+        (SHM_DIR / name).unlink()
         return True
     finally:
         os.close(fd)
 
 
+def stale_regions() -> list[str]:
+    """Names of this user's asyncpin regions in /dev/shm whose creator is gone."""
+    names = []
+    try:
+        entries = sorted(os.listdir(SHM_DIR))
+    except OSError:
+        return []
+    for name in entries:
+        if not _NAME_RE.fullmatch(name) or name in (".", ".."):
+            continue
+        try:
+            if is_stale(name):
+                names.append(name)
+        except (OSError, ConfigError):
+            continue  # not ours, not asyncpin's, or gone meanwhile
+    return names
+
+
 def _locked_if_stale(fd: int) -> bool:
     """Take an exclusive lock on ``fd`` if no creator holds its shared one (stale)."""
-    if os.fstat(fd).st_size == 0:
-        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -415,14 +738,13 @@ def _locked_if_stale(fd: int) -> bool:
     return True
 
 
-def _shm_path(name: str | None) -> Path:
+def _check_name(name: str | None) -> None:
     if name is None:
         raise ConfigError("backing='shared' needs a name")
-    if not _NAME_RE.match(name) or name in (".", ".."):
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name in (".", ".."):
         raise ConfigError(
             f"shared region name {name!r} must be 1-200 letters, digits, '.', '_' or '-'"
         )
-    return SHM_DIR / name
 
 
 def hugetlb_free_bytes() -> int:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from asyncpin import ConfigError, OffloadManager, RegionNotFoundError, _sys
-from asyncpin.region import SHM_DIR, Backing, HostRegion
+from asyncpin.region import HEADER_BYTES, SHM_DIR, Backing, HostRegion
 from asyncpin.testing import is_mapped
 
 PAGE = _sys.PAGE_SIZE
@@ -102,7 +102,8 @@ class TestSize:
         region = HostRegion.create(PAGE + 1, backing="shared", name=shm_name)
         try:
             assert region.nbytes == 2 * PAGE
-            assert (SHM_DIR / shm_name).stat().st_size == 2 * PAGE
+            # The data, then the header page that says the file is asyncpin's.
+            assert (SHM_DIR / shm_name).stat().st_size == 2 * PAGE + HEADER_BYTES
             assert region.is_owner
         finally:
             region.release()
@@ -472,7 +473,7 @@ class TestSharedBacking:
         path = SHM_DIR / shm_name
         path.write_bytes(b"not asyncpin")
         try:
-            with pytest.raises(ConfigError, match="already exists"):
+            with pytest.raises(ConfigError, match="exists and is not a region made by asyncpin"):
                 HostRegion.create(MIB, backing="shared", name=shm_name)
             assert path.read_bytes() == b"not asyncpin"
         finally:
