@@ -26,7 +26,11 @@ def kv_copy(
     (``array_ptrs[a] + gpu_ids[i] * array_strides[a]``, bytes); its host address is
     block-major (``host_base + (cpu_ids[i] * n_arrays + a) * segment bytes``), which is
     the pinned region through UVA, or a device staging buffer laid out the same way.
-    Programs stride over segments, so the grid size bounds the SMs taken."""
+    Programs stride over segments, so the grid size bounds the SMs taken.
+
+    It moves 8-byte words (``cuda_transfers.KERNEL_WORD``): every address above must be
+    a multiple of 8, or the device faults with a sticky cudaErrorMisalignedAddress. The
+    engine launches it only on layouts ``kernel_misalignment`` passes."""
     offsets = tl.arange(0, BLOCK)
     for s in range(tl.program_id(0), n_segments, tl.num_programs(0)):
         i = s // n_arrays

@@ -20,6 +20,15 @@ pageable jobs have a stream of their own. Methods:
 - ``kernel``: the same copy kernel reading or writing host memory directly through UVA,
   with a bounded number of CTAs.
 
+The copy kernel moves 8-byte words (``KERNEL_WORD``). A misaligned access faults with
+cudaErrorMisalignedAddress, an error that poisons the CUDA context for the rest of the
+process, so the kernel runs only on a layout where every address it computes (each
+array's base, its block stride, the block size and so every host block and staging slot)
+is a multiple of the word (``kernel_misalignment``, decided when the engine is made). On
+any other layout (device arrays that start a few bytes into a buffer, say) ``auto`` is
+``batch``, and an explicit ``pack`` or ``kernel`` runs as ``batch`` (DMA copies any
+alignment): ``Transfer.method`` says so, and the first such request per method is logged.
+
 Submission: loads, and small stores, are queued on the calling (event loop) thread; other
 stores are queued by a submitter thread, so the loop is not held for the milliseconds of
 driver calls a large store takes, and a load submitted next starts at once.
@@ -60,7 +69,7 @@ from asyncpin.gate import outside_captures, unless_capturing
 from asyncpin.kv import KVLayout
 from asyncpin.transfers import Direction, TransferJob, copy_in_thread
 
-__all__ = ["CudaTransferEngine", "batch_copy_available"]
+__all__ = ["KERNEL_WORD", "CudaTransferEngine", "batch_copy_available", "kernel_misalignment"]
 
 _log = structlog.get_logger("asyncpin")
 
@@ -86,8 +95,46 @@ _SWEEP_S = 0.020
 _SWEEP_STARVED_S = 0.002
 _STARVED_S = 1.0
 
+# Bytes the copy kernel moves per load and store (int64 words): see kernel_misalignment.
+KERNEL_WORD = 8
+
 # Address arrays for a batched copy: int64 tensors, or array("Q") for small transfers.
 Addresses = Union[torch.Tensor, "array.array[int]"]
+
+
+def kernel_misalignment(
+    *,
+    array_ptrs: Sequence[int],
+    array_strides: Sequence[int],
+    block_bytes: int,
+    num_arrays: int,
+    host_bases: Sequence[int],
+    word: int = KERNEL_WORD,
+) -> str | None:
+    """Why the copy kernel must not run on this layout, or None when it may.
+
+    The kernel reads and writes ``word``-byte words at ``array_ptrs[a] + g *
+    array_strides[a] + k * word`` on the device and ``base + (c * num_arrays + a) *
+    block_bytes + k * word`` on the host side (``base``: the pinned region, or a pack
+    staging half), for any block ``g``, host block or slot ``c``, array ``a``. Every one
+    is a multiple of ``word`` exactly when each term is: each array's base address and
+    block stride (bytes), the block size (so that a block is whole words and host blocks,
+    ``num_arrays * block_bytes`` apart, and staging slots start on one), and each host
+    base. A pure function of addresses, so that it is tested without a GPU."""
+    checks: list[tuple[str, int]] = [
+        ("block size", block_bytes),
+        ("host block size", block_bytes * num_arrays),
+    ]
+    for a, (ptr, stride) in enumerate(zip(array_ptrs, array_strides, strict=True)):
+        checks += [
+            (f"device array {a}'s address", ptr),
+            (f"device array {a}'s block stride", stride),
+        ]
+    checks += [(f"host base {n}", base) for n, base in enumerate(host_bases)]
+    for what, value in checks:
+        if value % word:
+            return f"{what} ({value:#x}) is not a multiple of the copy kernel's {word}-byte word"
+    return None
 
 
 def _pointer(addresses: Addresses) -> int:
@@ -387,6 +434,9 @@ class _Lane:
                 (2, per_half * host_block_bytes), dtype=torch.uint8, device=self.kernel.device
             )
         self.halves = (self.staging[0].data_ptr(), self.staging[1].data_ptr())
+        if any(half % 16 for half in self.halves):  # never with torch's allocator
+            self.staging, self.halves = None, (0, 0)
+            raise RuntimeError("pack staging is not 16-byte aligned")
         for event in (*self.free[0], *self.free[1]):
             rt.record(event, self.kernel.cuda_stream)
         return self.staging
@@ -422,14 +472,28 @@ class CudaTransferEngine:
         self._starved_until = 0.0
 
         self._rt = _Runtime()
-        self._kernel = _load_kernel() if layout.block_bytes % 8 == 0 else None
+        self._host_base = host_blocks.data_ptr()
+        ptrs = [a.data_ptr() for a in layout.arrays]
+        strides = [a.stride(0) * layout.dtype.itemsize for a in layout.arrays]
+        kernel = _load_kernel()
+        # pack and kernel may be asked for where Triton is; they run as batch on a layout
+        # the copy kernel cannot run on safely (``_choose``).
+        self._kernel_methods = kernel is not None
+        self._misaligned = kernel_misalignment(
+            array_ptrs=ptrs,
+            array_strides=strides,
+            block_bytes=layout.block_bytes,
+            num_arrays=layout.num_arrays,
+            host_bases=[self._host_base],
+        )
+        self._kernel = kernel if self._misaligned is None else None
+        if kernel is not None and self._misaligned is not None:
+            _log.warning("transfer.kernel_disabled", reason=self._misaligned, fallback="batch")
+        self._fallbacks_logged: set[str] = set()
         self._lanes: dict[Direction, _Lane] = {}  # made by prepare()
         self._waiters = {d: _Waiter(f"asyncpin-{d}-waiter") for d in ("store", "load")}
         self._submitter = _Submitter("asyncpin-store-submitter", self._enqueue, self._report)
-        self._host_base = host_blocks.data_ptr()
         self._num_host_blocks = host_blocks.shape[0]
-        ptrs = [a.data_ptr() for a in layout.arrays]
-        strides = [a.stride(0) * layout.dtype.itemsize for a in layout.arrays]
         # The same table three ways: python (small transfers), CPU and device tensors.
         self._arrays = list(zip(ptrs, strides, strict=True))
         self._offsets = [a * layout.block_bytes for a in range(layout.num_arrays)]
@@ -442,7 +506,9 @@ class CudaTransferEngine:
         self._blocks_tile_chunks = chunk_bytes % layout.host_block_bytes == 0
 
     def methods(self) -> tuple[str, ...]:
-        return ("batch", "pack", "kernel") if self._kernel is not None else ("batch",)
+        """The methods a transfer may ask for: pack and kernel where Triton is (on a
+        layout the copy kernel cannot run on, they run as batch)."""
+        return ("batch", "pack", "kernel") if self._kernel_methods else ("batch",)
 
     def prepare(self) -> None:
         """Streams, events and device buffers, then the copy kernel compiled and loaded for
@@ -481,7 +547,19 @@ class CudaTransferEngine:
         return job.transfer.num_blocks * self._layout.num_arrays <= _SMALL_SEGMENTS
 
     def _choose(self, job: TransferJob, pageable: bool) -> str:
-        if pageable or self._kernel is None:
+        """The method a job runs with. Never the copy kernel (pack, kernel) on a layout it
+        cannot run on safely: a misaligned access would end the process's CUDA context."""
+        if pageable:
+            return "batch"
+        if self._kernel is None:
+            if job.method in ("pack", "kernel") and job.method not in self._fallbacks_logged:
+                self._fallbacks_logged.add(job.method)
+                _log.warning(
+                    "transfer.method_fallback",
+                    requested=job.method,
+                    fallback="batch",
+                    reason=self._misaligned,
+                )
             return "batch"
         if job.method != "auto":
             method = job.method
@@ -812,7 +890,7 @@ class CudaTransferEngine:
             host_base,
             n_segments,
             layout.num_arrays,
-            layout.block_bytes // 8,
+            layout.block_bytes // KERNEL_WORD,
             TO_HOST=to_host,
             BLOCK=512,
         )
