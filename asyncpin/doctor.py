@@ -2,13 +2,15 @@
 
 :func:`run_checks` returns one :class:`Check` per item: memory available and the cgroup
 limit, RLIMIT_MEMLOCK and CAP_IPC_LOCK, transparent huge pages (mode and defrag), the
-hugetlb pool, free space in /dev/shm, the CUDA driver, runtime and GPUs, and the batched
-copy API. ``python -m asyncpin doctor`` prints them as a table (``--json`` for machines)
-and exits 1 if any check failed.
+hugetlb pool, free space in /dev/shm, stale shared regions, the CUDA driver, runtime and
+GPUs, and the batched copy API. ``python -m asyncpin doctor`` prints them as a table
+(``--json`` for machines) and exits 1 if any check failed.
 
 Checks are measured against a buffer size: the one given, else the demo's default
-(``min(4 GiB, available / 4)``). A check fails when that buffer cannot work as asked; it
-warns when something costs speed or matters only for an option that is not in use.
+(``min(4 GiB, available / 4)``, capped by what is left of RLIMIT_MEMLOCK when mlock pins
+it without CAP_IPC_LOCK: :func:`asyncpin.cli.default_nbytes`). A check fails when that
+buffer cannot work as asked; it warns when something costs speed or matters only for an
+option that is not in use.
 
 Each check reads the machine through one small reader (``_read_meminfo``, ``_cgroup``,
 ``_memlock``, ``_thp``, ``_shm_free``, ``_cuda``): tests fake a machine by replacing them.
@@ -19,20 +21,17 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from asyncpin import _sys
-from asyncpin.region import SHM_DIR
+from asyncpin.region import SHM_DIR, shm_free_bytes, stale_regions
 
 __all__ = ["Check", "CudaInfo", "Memlock", "Status", "render", "run_checks", "worst"]
 
 Status = Literal["pass", "warn", "fail"]
 _RANK: dict[Status, int] = {"pass": 0, "warn": 1, "fail": 2}
-# The demo's default buffer: min(4 GiB, available / 4) (asyncpin.cli.default_nbytes).
-_DEFAULT_MAX_BYTES = 4 << 30
 _THP_DIR = Path("/sys/kernel/mm/transparent_hugepage")
 _BATCH_COPY_RUNTIME = 12080  # cudaMemcpyBatchAsync: CUDA 12.8 and later
 _MEMLOCK_FIX = (
@@ -105,12 +104,17 @@ def _thp() -> tuple[str | None, str | None]:
 
 
 def _shm_free() -> int | None:
-    """Bytes free in /dev/shm, None if there is no such file system."""
+    """Bytes free in /dev/shm less what its sparse files were promised and do not hold
+    yet (as a region's creator counts them), None if there is no such file system."""
     try:
-        st = os.statvfs(SHM_DIR)
+        return shm_free_bytes()
     except OSError:
         return None
-    return st.f_bavail * st.f_frsize
+
+
+def _stale() -> list[str]:
+    """This user's asyncpin regions in /dev/shm whose creator is gone."""
+    return stale_regions()
 
 
 def _cuda() -> CudaInfo:
@@ -157,18 +161,28 @@ def run_checks(
     effective = available
     if available is not None and cgroup is not None:
         effective = min(available, max(cgroup.headroom_bytes, 0))
-    if nbytes is None:
-        nbytes = min(_DEFAULT_MAX_BYTES, (effective or 0) // 4)
     pins_with_mlock = backend == "host" or (backend == "auto" and not cuda.available)
+    memlock = _memlock()
+    if nbytes is None:
+        from asyncpin.cli import default_nbytes  # the demo's own rule: one definition
+
+        nbytes, _ = default_nbytes(
+            backend="host" if pins_with_mlock else "cuda",
+            mem_available=effective or 0,
+            memlock_limit=memlock.limit_bytes,
+            locked_bytes=memlock.locked_bytes,
+            has_cap_ipc_lock=memlock.has_cap_ipc_lock,
+        )
     thp_mode, defrag = _thp()
     return [
         _check_memory(available, nbytes),
         _check_cgroup(cgroup, available, nbytes),
-        _check_memlock(_memlock(), nbytes, pins_with_mlock),
+        _check_memlock(memlock, nbytes, pins_with_mlock),
         _check_thp(thp_mode),
         _check_thp_defrag(defrag),
         _check_hugetlb(mem, nbytes),
         _check_shm(_shm_free(), nbytes, backing),
+        _check_stale(_stale()),
         _check_cuda(cuda, backend),
         _check_batch_copy(cuda),
     ]
@@ -311,6 +325,19 @@ def _check_shm(free: int | None, nbytes: int, backing: str) -> Check:
             "Kubernetes: an emptyDir volume with medium: Memory)",
         )
     return Check("shm", "pass", value)
+
+
+def _check_stale(names: list[str]) -> Check:
+    if not names:
+        return Check("stale_regions", "pass", "none")
+    return Check(
+        "stale_regions",
+        "warn",
+        f"{len(names)} left by a creator that is gone: {', '.join(names)}",
+        "a new creator of the same name reclaims it; or remove it with "
+        "`python -c 'import asyncpin.region as r; r.unlink_stale(\"NAME\")'` (processes "
+        "still attached keep their mappings)",
+    )
 
 
 def _check_cuda(cuda: CudaInfo, backend: str) -> Check:

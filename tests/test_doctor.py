@@ -28,6 +28,7 @@ NAMES = [
     "thp_defrag",
     "hugetlb",
     "shm",
+    "stale_regions",
     "cuda",
     "batch_copy",
 ]
@@ -57,6 +58,7 @@ class Machine:
         self.memlock = Memlock(limit_bytes=None, locked_bytes=0, has_cap_ipc_lock=False)
         self.thp: tuple[str | None, str | None] = ("madvise", "madvise")
         self.shm_free: int | None = 32 * GiB
+        self.stale: list[str] = []
         self.cuda = H200
 
 
@@ -69,6 +71,7 @@ def machine(monkeypatch: pytest.MonkeyPatch) -> Iterator[Machine]:
     monkeypatch.setattr(doctor, "_thp", lambda: fake.thp)
     monkeypatch.setattr(doctor, "_shm_free", lambda: fake.shm_free)
     monkeypatch.setattr(doctor, "_cuda", lambda: fake.cuda)
+    monkeypatch.setattr(doctor, "_stale", lambda: fake.stale)
     yield fake
 
 
@@ -149,7 +152,7 @@ class TestMemlock:
     ) -> None:
         machine.cuda = NO_GPU  # so "auto" means the host backend
         machine.memlock = Memlock(8 * MiB, 0, has_cap_ipc_lock=False)
-        check = the("memlock")
+        check = the("memlock", nbytes=64 * MiB)
         assert check.status == "fail"
         assert "8.00 MiB without CAP_IPC_LOCK" in check.value
         assert "`ulimit -l unlimited`" in check.advice and "CAP_IPC_LOCK" in check.advice
@@ -157,7 +160,15 @@ class TestMemlock:
 
     def test_tiny_limit_fails_for_an_explicit_host_backend(self, machine: Machine) -> None:
         machine.memlock = Memlock(8 * MiB, 0, has_cap_ipc_lock=False)
-        assert the("memlock", backend="host").status == "fail"
+        assert the("memlock", backend="host", nbytes=64 * MiB).status == "fail"
+
+    def test_default_buffer_is_capped_like_the_demos(self, machine: Machine) -> None:
+        """With no --size, the doctor checks the buffer the demo would map: capped at what
+        is left of the limit when mlock pins it without CAP_IPC_LOCK."""
+        machine.memlock = Memlock(8 * MiB, 2 * MiB, has_cap_ipc_lock=False)
+        assert "buffer 6.00 MiB" in the("memory", backend="host").value
+        assert the("memlock", backend="host").status == "pass"
+        assert "buffer 4.00 GiB" in the("memory").value  # CUDA pins it: no cap
 
     def test_tiny_limit_only_warns_with_a_gpu(self, machine: Machine) -> None:
         machine.memlock = Memlock(8 * MiB, 0, has_cap_ipc_lock=False)
@@ -355,7 +366,7 @@ class TestCommandLine:
 
         machine.cuda = NO_GPU
         machine.memlock = Memlock(8 * MiB, 0, has_cap_ipc_lock=False)
-        assert main(["doctor", "--json"]) == 1
+        assert main(["doctor", "--json", "--size", "64MiB"]) == 1
         doc = json.loads(capsys.readouterr().out)
         assert doc["status"] == "fail"
         memlock = by_name([Check(**check) for check in doc["checks"]])["memlock"]
@@ -398,3 +409,18 @@ class TestCommandLine:
         assert set(statuses) <= {"pass", "warn", "fail"}
         assert doc["status"] == max(statuses, key=["pass", "warn", "fail"].index)
         assert proc.returncode == (1 if "fail" in statuses else 0), proc.stderr
+
+
+class TestStaleRegions:
+    """Regions left by a creator that is gone are reported, with how to reclaim them."""
+
+    def test_none(self, machine: Machine) -> None:
+        check = the("stale_regions")
+        assert check.status == "pass" and check.value == "none"
+
+    def test_listed_with_advice(self, machine: Machine) -> None:
+        machine.stale = ["kv-a", "kv-b"]
+        check = the("stale_regions")
+        assert check.status == "warn"
+        assert "kv-a" in check.value and "kv-b" in check.value
+        assert "reclaims" in check.advice and "unlink_stale" in check.advice
