@@ -4,7 +4,8 @@ A transfer is validated completely before anything is enqueued, then runs on the
 of the manager's backend:
 
 - ``HostTransferEngine`` (no GPU): the "device" arrays are CPU tensors; copies run in a
-  worker thread. It exists so that every test of the API runs without a GPU.
+  worker thread, one direction's in submission order. It exists so that every test of the
+  API runs without a GPU.
 - ``asyncpin.cuda_transfers.CudaTransferEngine``: dedicated store and load streams, copy
   methods chosen per transfer, completion reported by one waiter thread per direction.
 
@@ -16,6 +17,7 @@ touches, stays owned by the manager until the device work is done.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -226,7 +228,13 @@ def block_ids(ids: Sequence[int] | torch.Tensor, what: str, limit: int) -> list[
 
 class HostTransferEngine:
     """Copies between CPU tensors standing in for device KV and the host region, in a
-    worker thread (torch's copy kernels release the GIL)."""
+    worker thread (torch's copy kernels release the GIL).
+
+    Each direction has one FIFO, drained by one task at a time that copies its jobs one
+    after the other: jobs of one direction run in submission order (a later store to the
+    same host block wins, as on the CUDA engine's streams), while a store and a load run
+    at once. The draining task is started when a direction's FIFO gets a job and none is
+    running, and ends when the FIFO is empty, so nothing outlives the transfers."""
 
     name = "host"
 
@@ -234,7 +242,10 @@ class HostTransferEngine:
         self._layout = layout
         self._host = host_blocks
         self._start_soon = start_soon
+        # One worker thread per direction, apart from the application's default pool.
         self._limiter = anyio.CapacityLimiter(2)
+        self._queues: dict[Direction, deque[TransferJob]] = {"store": deque(), "load": deque()}
+        self._draining: dict[Direction, bool] = {"store": False, "load": False}
 
     def methods(self) -> tuple[str, ...]:
         return ("host",)
@@ -248,10 +259,32 @@ class HostTransferEngine:
     def submit(self, job: TransferJob, *, pageable: bool) -> None:
         job.transfer.method = "host"
         job.transfer.path = "pageable" if pageable else "pinned"
-        self._start_soon(self._run, job)
+        direction = job.transfer.direction
+        if not self._draining[direction]:
+            # If this raises, nothing was queued: the caller fails the transfer.
+            self._start_soon(self._drain, direction)
+            self._draining[direction] = True
+        self._queues[direction].append(job)
 
-    async def _run(self, job: TransferJob) -> None:
-        await copy_in_thread(job, self._copy, "failed", limiter=self._limiter)
+    async def _drain(self, direction: Direction) -> None:
+        """Copy the direction's jobs one at a time, oldest first, until none is left.
+
+        A failed copy fails its own transfer only. Cancelled (the manager is closing): the
+        job being copied is settled by ``copy_in_thread`` once its copy is over, and the
+        jobs still queued, which never started, are settled as interrupted."""
+        queue = self._queues[direction]
+        try:
+            while queue:
+                job = queue.popleft()
+                await copy_in_thread(job, self._copy, "failed", limiter=self._limiter)
+        except BaseException as exc:
+            while queue:
+                job = queue.popleft()
+                job.keep.clear()
+                settle_interrupted(job.transfer, exc)
+            raise
+        finally:
+            self._draining[direction] = False
 
     def _copy(self, job: TransferJob) -> None:
         host = self._host
