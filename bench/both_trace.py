@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncpin import KVLayout, OffloadManager
 from asyncpin.cuda_transfers import CudaTransferEngine
+from bench._gpu import require_gpu
 
 GB = 1e9
 
@@ -244,6 +245,7 @@ def main() -> None:
     parser.add_argument("--json-out")
     parser.add_argument("--trace-dir", help="keep the raw traces here")
     args = parser.parse_args()
+    require_gpu()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     report = anyio.run(main_async, args)
     if args.json_out:

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncpin import KVLayout, OffloadManager
 from asyncpin.cuda_transfers import CudaTransferEngine
+from bench._gpu import require_gpu
 
 GB = 1e9
 
@@ -123,6 +124,7 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="the engine without its sweep")
     parser.add_argument("--json-out")
     args = parser.parse_args()
+    require_gpu()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)

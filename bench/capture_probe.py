@@ -30,6 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._gpu import require_gpu
+
 CASES = [
     "nothing",
     "event_record_raw",
@@ -249,6 +251,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--json-out")
     args = parser.parse_args()
+    require_gpu()
     if args.case:
         out = engine_case(args.seconds) if args.case == "engine" else one_case(args.case)
         print(json.dumps(out))

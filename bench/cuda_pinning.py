@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncpin import OffloadManager
 from asyncpin.cli import parse_size
 from asyncpin.cuda import _cudart
+from bench._gpu import require_gpu
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -397,6 +398,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
+    require_gpu()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     report = anyio.run(main_async, args)
     if args.json_out:

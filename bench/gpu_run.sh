@@ -21,7 +21,7 @@ for step in $steps; do
       timeout 120 python3 -m asyncpin demo --size 8GiB --json > "$OUT/demo.json" 2> "$OUT/demo.err"
       echo "demo rc=$?"; head -c 1500 "$OUT/demo.json"; echo ;;
     lag)
-      timeout 200 python3 bench/loop_lag.py --size-gib 16 --json-out "$OUT/loop_lag.json" \
+      timeout 200 python3 bench/loop_lag.py --size 16GiB --json-out "$OUT/loop_lag.json" \
         2>&1 | tee "$OUT/loop_lag.log" | tail -12 ;;
     ttests)
       timeout 300 python3 -m pytest -p pytest_asyncio.plugin -q -x -rs -m cuda \

@@ -4,6 +4,7 @@
 
 Each variant pins the same buffer with the default configuration and one change; a 1 ms
 heartbeat records its worst lateness and the 99th percentile. Memory is primed first.
+Without a GPU it pins through the host backend (mlock) instead.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncpin import OffloadManager
+from asyncpin.cli import format_bytes, parse_size
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -65,7 +67,7 @@ def prime(nbytes: int) -> None:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    nbytes = int(args.size_gib * GiB)
+    nbytes: int = args.size
     backend = "cuda" if torch.cuda.is_available() else "host"
     if backend == "cuda":
         torch.cuda.init()
@@ -92,17 +94,38 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return {"backend": backend, "size_bytes": nbytes, "runs": results}
 
 
+def size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--size-gib", type=float, default=16)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument(
+        "--size",
+        type=size_arg,
+        default=16 * GiB,
+        help="buffer to pin: bytes or a number with a unit, e.g. 512MiB, 16GiB (default: 16GiB)",
+    )
+    # The older spelling, in GiB, as in earlier runs' commands.
+    sizes.add_argument("--size-gib", type=float, dest="size_gib", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
+    if args.size_gib is not None:
+        args.size = int(args.size_gib * GiB)
+        if args.size <= 0:
+            parser.error("--size-gib must be more than 0")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     report = anyio.run(main_async, args)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
-    print(f"\nloop lag while pinning {report['size_bytes'] / GiB:.0f} GiB ({report['backend']})")
+    print(f"\nloop lag while pinning {format_bytes(report['size_bytes'])} ({report['backend']})")
     print(f"{'variant':<16} {'pinned s':>8} {'lag max ms':>10} {'p99 ms':>7} {'p50 ms':>7}")
     for name in dict.fromkeys(r["variant"] for r in report["runs"]):
         rs = [r for r in report["runs"] if r["variant"] == name]

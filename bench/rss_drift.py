@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncpin import KVLayout, OffloadManager, capture_gate
 from asyncpin.transfers import Method
+from bench._gpu import require_gpu
 
 HOST_BLOCKS = 512  # 1 GiB of 2 MiB host blocks
 
@@ -154,6 +155,7 @@ def main() -> None:
     parser.add_argument("--only", default="transfers,lifecycles,captures,pageable")
     parser.add_argument("--json-out")
     args = parser.parse_args()
+    require_gpu()
     report = asyncio.run(main_async(args))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))

@@ -37,6 +37,7 @@ from asyncpin._sys import vm_locked_bytes
 from asyncpin.cuda import _cudart
 from asyncpin.testing import is_mapped
 from asyncpin.transfers import Method
+from bench._gpu import require_gpu
 
 HOST_BLOCKS, GPU_BLOCKS, LAYERS = 2048, 1024, 32
 METHODS: tuple[Method, ...] = ("auto", "batch", "pack", "kernel")
@@ -252,6 +253,7 @@ if __name__ == "__main__":
     )
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
+    require_gpu()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     report = anyio.run(main, args)
     if args.json_out:

@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncpin.cuda_transfers import _Runtime
+from bench._gpu import require_gpu
 
 REPS = 2000
 
@@ -650,6 +651,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=500)
     parser.add_argument("--only", default="costs,streams,both")
     args = parser.parse_args()
+    require_gpu()
     import anyio
 
     report: dict[str, Any] = {

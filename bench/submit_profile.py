@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncpin import KVLayout, OffloadManager
 from asyncpin.transfers import Method
+from bench._gpu import require_gpu
 
 
 async def main(big: bool, arrays: int) -> None:
@@ -80,5 +81,6 @@ if __name__ == "__main__":
     parser.add_argument("--big", action="store_true")
     parser.add_argument("--arrays", type=int, default=64, help="KV arrays in the layout")
     args = parser.parse_args()
+    require_gpu()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     anyio.run(main, args.big, args.arrays)

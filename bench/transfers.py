@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncpin import KVLayout, OffloadManager
 from asyncpin.cuda_transfers import CudaTransferEngine, _MemcpyAttributes, _MemLocation, _Runtime
 from asyncpin.transfers import Direction, Method
+from bench._gpu import require_gpu
 
 GB = 1e9
 
@@ -388,6 +389,7 @@ def main() -> None:
     parser.add_argument("--only", default="sizes,matmul,latency", help="parts to run")
     parser.add_argument("--block-kib", default="8,32,256,2048", help="block sizes per array")
     args = parser.parse_args()
+    require_gpu()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     report = anyio.run(main_async, args)
     if args.json_out:

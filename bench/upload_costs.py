@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncpin.cuda_transfers import _Runtime
+from bench._gpu import require_gpu
 
 SIZES = [16 << 10, 256 << 10, 2 << 20]
 
@@ -41,6 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json-out")
     args = parser.parse_args()
+    require_gpu()
     rt = _Runtime()
     stream = torch.cuda.Stream()
     dev = torch.empty(max(SIZES), dtype=torch.uint8, device="cuda")
