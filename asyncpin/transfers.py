@@ -240,7 +240,7 @@ class HostTransferEngine:
 
     def __init__(self, layout: KVLayout, host_blocks: torch.Tensor, start_soon: Any) -> None:
         self._layout = layout
-        self._host = host_blocks
+        self._host: torch.Tensor | None = host_blocks
         self._start_soon = start_soon
         # One worker thread per direction, apart from the application's default pool.
         self._limiter = anyio.CapacityLimiter(2)
@@ -288,6 +288,7 @@ class HostTransferEngine:
 
     def _copy(self, job: TransferJob) -> None:
         host = self._host
+        assert host is not None, "a copy after close"
         gpu_ids = torch.tensor(job.gpu_ids, dtype=torch.int64)
         cpu_ids = torch.tensor(job.cpu_ids, dtype=torch.int64)
         for a, array in enumerate(self._layout.arrays):
@@ -297,4 +298,6 @@ class HostTransferEngine:
                 array[gpu_ids] = host[cpu_ids, a]
 
     def close(self) -> None:
-        return None
+        """Drop the view of the host blocks: only the application's views may keep the
+        region mapped past close."""
+        self._host = None

@@ -606,6 +606,10 @@ class TestCloseWithTransfers:
         # Then every pinned chunk was unpinned, once, and the region unmapped.
         assert sorted(fake.unpinned_spans()) == sorted(fake.pinned_spans())
         assert len(fake.pinned_spans()) == SMALL_CHUNKS
+        # The test's own views hold the range past close; with them gone, it is unmapped.
+        del host
+        copy_gate.on_copied = None
+        assert mgr.stats().mapped_by_views_bytes == 0
         assert not is_mapped(address, nbytes)
         # The copies moved the right bytes: the store's host blocks as they were when it
         # ended, the load's device blocks now.
