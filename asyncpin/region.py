@@ -139,6 +139,18 @@ class _Mapping:
             _unmap_except(self.address, self.nbytes, self.keep)
 
 
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` spans sorted, with touching or overlapping ones joined."""
+    out: list[tuple[int, int]] = []
+    for offset, nbytes in sorted(spans):
+        if out and offset <= out[-1][0] + out[-1][1]:
+            start = out[-1][0]
+            out[-1] = (start, max(out[-1][1], offset + nbytes - start))
+        else:
+            out.append((offset, nbytes))
+    return out
+
+
 def _unmap_except(address: int, nbytes: int, keep: list[Chunk]) -> None:
     cursor = 0
     for chunk in sorted(keep, key=lambda c: c.offset):
@@ -399,6 +411,26 @@ class HostRegion:
                     errno.ENOSPC,
                 ) from exc
             raise
+
+    def reserve(self, spans: list[tuple[int, int]]) -> None:
+        """Give the ``(offset, nbytes)`` spans of a shared region their memory in /dev/shm
+        now (``fallocate``), so that touching them cannot end the process with SIGBUS when
+        the file system is full: an OSError (ENOSPC) here instead. Nothing to do for an
+        anonymous region. Call it off the event loop: it allocates and zeroes pages."""
+        self._check_open()
+        if self.backing != "shared":
+            return
+        for offset, nbytes in _merged(spans):
+            try:
+                os.posix_fallocate(self._fd, offset, nbytes)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                raise _sys.LibcError(
+                    f"reserving {nbytes} bytes of /dev/shm/{self.name} (the file system is "
+                    "full)",
+                    errno.ENOSPC,
+                ) from exc
 
     def hugepage_bytes(self) -> int:
         """Bytes of this mapping backed by transparent huge pages (from /proc/self/smaps)."""

@@ -121,6 +121,9 @@ class TransferJob:
     # and whether a loop-side sweep has seen its event complete.
     failure: BaseException | None = None
     seen_done: bool = False
+    # A pageable job on a shared region: gives its host blocks their memory first, in the
+    # copy's worker thread (a full /dev/shm is then an error, not SIGBUS).
+    reserve: Callable[[], None] | None = None
 
 
 class TransferEngine(Protocol):
@@ -162,8 +165,13 @@ async def copy_in_thread(
     """Run ``copy(job)`` in a worker thread, which returns once the copy is over, and
     settle the transfer: done; failed (the error through the handle, never lost); or
     interrupted, when the driving task is cancelled because the manager is closing."""
+    def run() -> None:
+        if job.reserve is not None:
+            job.reserve()
+        copy(job)
+
     try:
-        await anyio.to_thread.run_sync(copy, job, limiter=limiter)
+        await anyio.to_thread.run_sync(run, limiter=limiter)
     except Exception as exc:
         error = TransferError(f"{job.transfer.direction} {failed}: {exc}")
         error.__cause__ = exc

@@ -313,6 +313,45 @@ class TestStaleRegions:
 # -- /dev/shm space ------------------------------------------------------------------------
 
 
+FULL_SHM_PAGEABLE = """
+import errno, os, sys
+from pathlib import Path
+import anyio, torch
+import asyncpin.region as region
+from asyncpin import KVLayout, OffloadManager, TransferError
+from asyncpin.testing import FakeBackend
+
+mnt = Path(sys.argv[1])
+region.SHM_DIR = mnt  # a small tmpfs standing in for /dev/shm
+region.HostRegion.prefault = lambda self, offset, nbytes: None  # pages stay unbacked
+layout = KVLayout.from_tensors([torch.full((8, 65536), 7, dtype=torch.uint8)])
+
+async def main():
+    fake = FakeBackend(stall_pin_at=0)  # nothing gets pinned: stores go pageable
+    async with OffloadManager.for_kv(
+        layout, 32, backend=fake, backing="shared", name="r", unpinned_policy="pageable",
+        chunk_bytes=1 << 20,
+    ) as mgr:
+        fd = os.open(mnt / "filler", os.O_CREAT | os.O_WRONLY, 0o600)
+        try:
+            while True:
+                os.write(fd, bytes(65536))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        try:
+            await mgr.store([0], [31])
+        except TransferError as exc:
+            print("REFUSED", exc, flush=True)
+        (mnt / "filler").unlink()
+        fake.release()
+    print("CLOSED", flush=True)
+
+anyio.run(main)
+"""
+
+
 class TestShmSpace:
     """Space promised to one region is not promised again; attach checks what it adds."""
 
@@ -342,6 +381,22 @@ class TestShmSpace:
             attacher.release()
         finally:
             creator.release()
+
+    def test_pageable_store_into_a_full_shm_is_an_error_not_sigbus(self, tmp_path: Path) -> None:
+        mnt = tmp_path / "shm"
+        mnt.mkdir()
+        mount = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True
+        )
+        if mount.returncode != 0:
+            pytest.skip("needs a tmpfs of its own (mount, as root)")
+        try:
+            proc = run_child(FULL_SHM_PAGEABLE, str(mnt))
+        finally:
+            subprocess.run(["umount", str(mnt)], check=True)
+        assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+        assert "REFUSED" in proc.stdout and "file system is full" in proc.stdout
+        assert "CLOSED" in proc.stdout
 
     def test_full_shm_while_faulting_is_enospc(
         self, shm_name: str, monkeypatch: pytest.MonkeyPatch
