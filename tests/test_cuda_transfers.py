@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, ClassVar
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -127,89 +127,6 @@ class TestSmallTransfers:
                     await mgr.load(cpu, dest)
                 for a, array in enumerate(layout.arrays):
                     assert torch.equal(array[dest].cpu(), mgr.host_blocks()[cpu, a])
-
-
-class TestSubmissionOrder:
-    """Jobs of one direction run in submission order, whatever their methods."""
-
-    PAIRS: ClassVar[list[tuple[str, str]]] = [
-        ("pack", "pack"),
-        ("pack", "batch"),
-        ("batch", "pack"),
-        ("kernel", "pack"),
-        ("pack", "auto"),
-    ]
-
-    @pytest.mark.parametrize(("first", "second"), PAIRS)
-    async def test_the_later_store_wins(self, first: str, second: str) -> None:
-        # 400 blocks: two staging pieces per pack job, so both halves turn over.
-        async with kv_manager() as (mgr, layout):
-            n = 2 if second == "auto" else 400
-            cpu = _ids(n, HOST_BLOCKS)
-            both = _ids(2 * n, BLOCKS)
-            a, b = both[:n], both[n:]
-            with anyio.fail_after(60):
-                one = mgr.store(a, cpu, method=first)  # type: ignore[arg-type]
-                two = mgr.store(b, cpu, method=second)  # type: ignore[arg-type]
-                await two
-                await one
-            _check_host(mgr, layout, b, cpu)
-
-    @pytest.mark.parametrize(("first", "second"), PAIRS)
-    async def test_the_later_load_wins(self, first: str, second: str) -> None:
-        async with kv_manager() as (mgr, layout):
-            n = 2 if second == "auto" else 400
-            gpu = _ids(n, BLOCKS)
-            x = _ids(n, HOST_BLOCKS // 2)
-            y = [c + HOST_BLOCKS // 2 for c in _ids(n, HOST_BLOCKS // 2)]
-            host = mgr.host_blocks()
-            host[x] = 1
-            host[y] = 2
-            with anyio.fail_after(60):
-                one = mgr.load(x, gpu, method=first)  # type: ignore[arg-type]
-                two = mgr.load(y, gpu, method=second)  # type: ignore[arg-type]
-                await two
-                await one
-            for array in layout.arrays:
-                assert bool((array[gpu] == 2).all()), "an earlier load landed last"
-
-
-class TestQueuedBackToBack:
-    """Two jobs of one direction queued before either runs move their own blocks: the
-    device id buffer they share is rewritten in stream order, after the first job's
-    kernels have read it."""
-
-    @staticmethod
-    async def _two_behind_a_busy_stream(queue: Callable[[slice], Transfer]) -> None:
-        """Queue the first and second halves while the caller's stream holds both back."""
-        torch.cuda._sleep(200_000_000)
-        first, second = queue(slice(0, 300)), queue(slice(300, 600))
-        assert not first.done()
-        with anyio.fail_after(60):
-            await first
-            await second
-
-    @pytest.mark.parametrize("method", ["pack", "kernel"])
-    async def test_two_stores(self, method: Any) -> None:
-        async with kv_manager() as (mgr, layout):
-            gpu, cpu = _ids(600, BLOCKS), _ids(600, HOST_BLOCKS)
-            await self._two_behind_a_busy_stream(
-                lambda half: mgr.store(gpu[half], cpu[half], method=method)
-            )
-            _check_host(mgr, layout, gpu, cpu)
-
-    @pytest.mark.parametrize("method", ["pack", "kernel"])
-    async def test_two_loads(self, method: Any) -> None:
-        async with kv_manager() as (mgr, layout):
-            gpu, cpu = _ids(600, BLOCKS), _ids(600, HOST_BLOCKS)
-            host = mgr.host_blocks()
-            host[cpu] = torch.randn(host[cpu].shape).to(host.dtype)
-            await self._two_behind_a_busy_stream(
-                lambda half: mgr.load(cpu[half], gpu[half], method=method)
-            )
-            expected = host[cpu].to("cuda")
-            for a, array in enumerate(layout.arrays):
-                assert torch.equal(array[gpu], expected[:, a]), f"array {a} differs"
 
 
 class TestStoreSubmitter:
