@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Generator
+from types import TracebackType
 from typing import Any
 
 import anyio
@@ -13,13 +14,19 @@ __all__ = ["Outcome"]
 class Outcome:
     """Settled once, from the event loop. ``await outcome`` (or ``await outcome.wait()``)
     returns when it is settled and raises its error if it failed; any number of tasks may
-    wait, and cancelling one of them changes nothing for the others."""
+    wait, and cancelling one of them changes nothing for the others.
 
-    __slots__ = ("_error", "_event")
+    Each raise starts from the error as it was settled: its traceback does not grow with
+    every waiter's frames, and one waiter's exception context does not carry over to the
+    next."""
+
+    __slots__ = ("_context", "_error", "_event", "_traceback")
 
     def __init__(self) -> None:
         self._event = anyio.Event()
         self._error: BaseException | None = None
+        self._traceback: TracebackType | None = None
+        self._context: BaseException | None = None
 
     def is_set(self) -> bool:
         return self._event.is_set()
@@ -33,13 +40,20 @@ class Outcome:
         if self._event.is_set():
             return False
         self._error = error
+        if error is not None:
+            self._traceback = error.__traceback__
+            self._context = error.__context__
         self._event.set()
         return True
 
     async def wait(self) -> None:
         await self._event.wait()
-        if self._error is not None:
-            raise self._error
+        error = self._error
+        if error is not None:
+            # A raise adds this call's frames to the error's traceback, and one inside an
+            # except block sets its __context__: start each raise from the settled ones.
+            error.__context__ = self._context
+            raise error.with_traceback(self._traceback)
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()

@@ -12,7 +12,9 @@ __all__ = [
     "BackendCallError",
     "BackendUnavailableError",
     "ConfigError",
+    "ForkedManagerError",
     "InvalidTransferError",
+    "LifecycleError",
     "PinError",
     "PreflightError",
     "RegionNotFoundError",
@@ -114,3 +116,16 @@ class TransferError(AsyncpinError, RuntimeError):
 class InvalidTransferError(TransferError, ValueError):
     """A transfer was refused before anything was enqueued: ids out of range, lengths that
     differ, duplicate destinations, ids on a device or of a non-integer dtype."""
+
+
+class LifecycleError(AsyncpinError, RuntimeError):
+    """A lifecycle call refused because it cannot work where it was made: closing inside
+    a hold that the close itself would wait for (``pinning_paused()``, ``capture_gate()``),
+    or from an event loop other than the one that opened the manager. Nothing changed:
+    the manager can be closed once the hold is released, or from its own loop."""
+
+
+class ForkedManagerError(LifecycleError):
+    """A manager used in a process forked from the one that opened it. Its region is the
+    parent's (not mapped in the child: ``MADV_DONTFORK``), and so are its pins; the child
+    must open its own manager."""

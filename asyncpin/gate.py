@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from types import TracebackType
 from typing import Any
 
@@ -25,6 +26,35 @@ __all__ = ["PauseGate", "PausedContext", "capture_gate", "install_capture_gate"]
 _cond = threading.Condition()
 _global_holders = 0
 _global_in_flight = 0
+
+
+class _Mark:
+    """One hold taken through a :class:`PausedContext`, as the code that holds it sees it:
+    ``gate`` is the manager's gate, or None for the process-wide one."""
+
+    __slots__ = ("active", "gate")
+
+    def __init__(self, gate: PauseGate | None) -> None:
+        self.gate = gate
+        self.active = True
+
+
+# The holds the current context is inside: a thread's ``with`` block, or an async task's
+# (and the tasks it starts inside the block, which copy the context). Marks are shared
+# objects, so a hold released while a copy still lists it reads as released there too.
+_held: ContextVar[tuple[_Mark, ...]] = ContextVar("asyncpin_gate_held", default=())
+
+
+def held_here(gate: PauseGate) -> str | None:
+    """The hold that the calling code is inside, if it would hold up ``gate``'s calls:
+    ``"pinning_paused()"`` for ``gate`` itself, ``"capture_gate()"`` for the process-wide
+    one; None if neither. Code inside a hold that waits for those calls waits forever."""
+    for mark in _held.get():
+        if mark.active and mark.gate is None:
+            return "capture_gate()"
+        if mark.active and mark.gate is gate:
+            return "pinning_paused()"
+    return None
 
 
 class PauseGate:
@@ -79,32 +109,60 @@ class PauseGate:
         return bool(self._holders or _global_holders)
 
     def paused(self) -> PausedContext:
-        return PausedContext(self.hold, self.unhold)
+        return PausedContext(self.hold, self.unhold, self)
 
 
 class PausedContext:
-    """``with`` (any thread) and ``async with`` (waits off the event loop) over a hold."""
+    """``with`` (any thread) and ``async with`` (waits off the event loop) over a hold.
 
-    __slots__ = ("_hold", "_unhold")
+    The block's context is marked as holding it (see :func:`held_here`), so that a call
+    inside it that would wait for the hold to end can refuse instead of hanging."""
 
-    def __init__(self, hold: Callable[[], None], unhold: Callable[[], None]) -> None:
+    __slots__ = ("_gate", "_hold", "_marks", "_unhold")
+
+    def __init__(
+        self, hold: Callable[[], None], unhold: Callable[[], None], gate: PauseGate | None
+    ) -> None:
         self._hold = hold
         self._unhold = unhold
+        self._gate = gate
+        self._marks: list[_Mark] = []  # one per entry not yet exited, oldest first
+
+    def _mark(self) -> None:
+        mark = _Mark(self._gate)
+        self._marks.append(mark)
+        _held.set((*_held.get(), mark))
+
+    def _unmark(self) -> None:
+        here = _held.get()
+        # The entry made in this context, else (exited elsewhere) the latest one.
+        mine = [m for m in self._marks if m in here]
+        mark = mine[-1] if mine else self._marks[-1] if self._marks else None
+        if mark is None:
+            return
+        mark.active = False
+        self._marks.remove(mark)
+        if mark in here:
+            _held.set(tuple(m for m in here if m is not mark))
 
     def __enter__(self) -> None:
         self._hold()
+        self._mark()
 
     def __exit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self._unmark()
         self._unhold()
 
     async def __aenter__(self) -> None:
         await anyio.to_thread.run_sync(self._hold)
+        self._mark()
 
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self._unmark()
         self._unhold()
 
 
@@ -182,7 +240,7 @@ def capture_gate() -> PausedContext:
     await one inside it, nor close a manager (close waits for its transfers).
 
     Wrap an engine's whole warm-up / CUDA graph capture in it."""
-    return PausedContext(_hold_all, _unhold_all)
+    return PausedContext(_hold_all, _unhold_all, None)
 
 
 @contextmanager

@@ -18,18 +18,20 @@ import anyio
 import anyio.to_thread
 import structlog
 import torch
-from anyio.abc import TaskGroup
 
 from asyncpin import _sys
+from asyncpin._tasks import OwnedTasks, current_loop
 from asyncpin.backends import PinBackend, resolve_backend
 from asyncpin.errors import (
     ConfigError,
+    ForkedManagerError,
     InvalidTransferError,
+    LifecycleError,
     PinError,
     PreflightError,
     TransferError,
 )
-from asyncpin.gate import PausedContext, PauseGate
+from asyncpin.gate import PausedContext, PauseGate, held_here
 from asyncpin.kv import KVLayout
 from asyncpin.pinning import PinnedSignal, PinScheduler
 from asyncpin.region import Backing, HostRegion, HugePages, validate_nbytes
@@ -46,6 +48,7 @@ from asyncpin.transfers import (
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "MAX_THREADS",
     "ManagerState",
     "ManagerStats",
     "OffloadManager",
@@ -56,6 +59,10 @@ __all__ = [
 # enough that a concurrent 24 ms GPU step stretches by ~15% at most, at full pinning speed;
 # 256 MiB chunks stretched it 2.6x.
 DEFAULT_CHUNK_BYTES = 16 << 20
+
+# Bound on prefault_threads and pin_threads: each is an OS thread, and page faulting
+# stops scaling long before this (and the defaults stay at 8 and 1).
+MAX_THREADS = 64
 
 
 def default_prefault_threads() -> int:
@@ -174,8 +181,15 @@ class OffloadManager:
         if prefault_threads is None:
             prefault_threads = default_prefault_threads()
         for knob, value in (("prefault_threads", prefault_threads), ("pin_threads", pin_threads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{knob} must be an int >= 1, got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 1 <= value <= MAX_THREADS
+            ):
+                raise ConfigError(
+                    f"{knob} must be an int >= 1 and <= {MAX_THREADS} (each is a thread), "
+                    f"got {value!r}"
+                )
         if (
             isinstance(pin_interval_s, bool)
             or not isinstance(pin_interval_s, int | float)
@@ -241,7 +255,10 @@ class OffloadManager:
         self._closed_event = anyio.Event()
         self._region: HostRegion | None = None
         self._scheduler: PinScheduler | None = None
-        self._tg: TaskGroup | None = None
+        # The manager's background tasks (the pin pipeline, the engine's, transfers waiting
+        # for a chunk): its own, not the entering task's, so any task can close it.
+        self._tasks = OwnedTasks(self._log)
+        self._pid: int | None = None  # the process that opened it
         self._t_enter: float | None = None
         self._seconds_to_enter: float | None = None
         self._seconds_to_pinned: float | None = None
@@ -328,23 +345,24 @@ class OffloadManager:
                 pin_interval_s=self._pin_interval_s,
                 gate=self._gate,
             )
-            self._tg = anyio.create_task_group()
+            self._tasks.bind()
             if self._layout is not None:
                 self._engine = self._make_engine(region)
                 # Off the event loop: compiling a copy kernel can take a second.
                 await anyio.to_thread.run_sync(self._engine.prepare)
-            await self._tg.__aenter__()
         except BaseException:  # a cancellation included
             if self._engine is not None:
                 self._engine.close()
                 self._engine = None
+            self._host_blocks = None  # the manager's own view: it must not hold the range
             region.release()
             raise
         self._region = region
         self._scheduler.on_progress = self._on_pin_progress
         self._state = ManagerState.OPEN
         self._loop_thread = threading.get_ident()
-        self._tg.start_soon(self._run_pinning)
+        self._pid = os.getpid()
+        self._tasks.start_soon(self._run_pinning)
         self._seconds_to_enter = time.perf_counter() - t0
         self._log.info(
             "manager.opened",
@@ -362,14 +380,9 @@ class OffloadManager:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        try:
-            await self.aclose()
-        finally:
-            assert self._tg is not None
-            # aclose() has waited for the pinning task to end, so the group has nothing
-            # left to cancel. Handing it the body's exception would make anyio wrap that
-            # exception in an ExceptionGroup; the caller must get it unchanged.
-            await self._tg.__aexit__(None, None, None)
+        # No cancel scope spans the body: this is aclose(), from whichever task runs it,
+        # and the body's exception goes on unchanged.
+        await self.aclose()
         return None
 
     def _layout_description(self) -> dict[str, Any] | None:
@@ -432,8 +445,45 @@ class OffloadManager:
         else:
             self._log.info("pin.stopped", pinned_bytes=scheduler.pinned_bytes, nbytes=self._nbytes)
 
+    def _forked(self) -> bool:
+        """Whether this process is a fork of the one that opened the manager."""
+        return self._pid is not None and os.getpid() != self._pid
+
+    def _check_process(self) -> None:
+        if self._forked():
+            raise ForkedManagerError(
+                f"this OffloadManager belongs to process {self._pid}, not to this forked "
+                f"child ({os.getpid()}): its region is not mapped here and its pins are the "
+                "parent's; open a new manager in this process"
+            )
+
+    def _check_can_close(self) -> None:
+        """Refuse a close that could only hang or break, before anything changes."""
+        held = held_here(self._gate)
+        if held is not None:
+            raise LifecycleError(
+                f"aclose() called inside {held}: the close waits for the pin calls and "
+                f"transfers that {held} holds back, so it would never return; close the "
+                f"manager after leaving the {held} block (it is still open)"
+            )
+        if current_loop() is not self._tasks.loop:
+            raise LifecycleError(
+                "aclose() called from another event loop than the one that opened the "
+                "manager, whose tasks run there: close it on that loop (from another "
+                "thread, through anyio.from_thread.run(mgr.aclose))"
+            )
+
     async def aclose(self) -> None:
-        """Close in order; see the class docstring for the guarantees."""
+        """Close in order; see the class docstring for the guarantees.
+
+        From any task of the loop that opened the manager. Refused with LifecycleError,
+        changing nothing, inside ``pinning_paused()`` or ``capture_gate()`` (the close
+        would wait for the hold to end) or from another event loop. In a process forked
+        from the owner it does nothing: the region and its pins are the parent's."""
+        if self._forked() or self._state is ManagerState.CLOSED:
+            return
+        if self._state is not ManagerState.NEW:
+            self._check_can_close()
         with anyio.CancelScope(shield=True):
             if self._state is ManagerState.NEW:
                 self._state = ManagerState.CLOSED
@@ -452,6 +502,9 @@ class OffloadManager:
             try:
                 await scheduler.done.wait()
                 await self._idle.wait()  # in-flight transfers' device work
+                # What is left of the manager's tasks (a sweep between periods, a copy
+                # task settling its transfer) ends before the engine closes.
+                await self._tasks.aclose()
                 # Its own thread slot: the application's default pool may be full.
                 limiter = anyio.CapacityLimiter(1)
                 if self._engine is not None:
@@ -486,6 +539,7 @@ class OffloadManager:
                         "is gone",
                     )
             finally:
+                await self._tasks.aclose()  # no task outlives the close (a no-op if done)
                 self._pinned.resolve(
                     anyio.ClosedResourceError("the manager closed before pinning completed")
                 )
@@ -501,11 +555,13 @@ class OffloadManager:
     @property
     def pinned(self) -> PinnedSignal:
         """Awaitable: done when all chunks are pinned; raises PinError if pinning failed."""
+        self._check_process()
         return self._pinned
 
     def is_pinned(self) -> bool:
-        """Non-blocking readiness probe: True while open with every chunk pinned."""
-        return self._state is ManagerState.OPEN and self._pinned.succeeded()
+        """Non-blocking readiness probe: True while open with every chunk pinned (never in
+        a forked child)."""
+        return self.state is ManagerState.OPEN and self._pinned.succeeded()
 
     @property
     def pin_error(self) -> PinError | None:
@@ -514,7 +570,8 @@ class OffloadManager:
 
     @property
     def state(self) -> ManagerState:
-        return self._state
+        """CLOSED in a forked child: nothing of the manager is usable there."""
+        return ManagerState.CLOSED if self._forked() else self._state
 
     @property
     def nbytes(self) -> int:
@@ -533,12 +590,15 @@ class OffloadManager:
 
         On entry it waits for the call in flight to return; until exit, no new call
         starts. Wrap CUDA graph capture (or a whole warm-up) in it. Note that close's
-        unpins also wait for the pause to end.
+        unpins also wait for the pause to end: ``aclose()`` inside it raises
+        LifecycleError.
         """
+        self._check_process()
         return self._gate.paused()
 
     def host_view(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
         """A uint8 tensor over part of the region; valid until the manager closes."""
+        self._check_process()
         if self._state is not ManagerState.OPEN or self._region is None:
             raise anyio.ClosedResourceError("the manager is not open")
         return self._region.view(offset, nbytes)
@@ -547,6 +607,7 @@ class OffloadManager:
         """Bytes of the region backed by huge pages, measured now in a worker thread
         (reading /proc/self/smaps walks every mapping of the process: 100+ ms in a CUDA
         process, so never on the event loop); ``stats().hugepage_bytes`` keeps the value."""
+        self._check_process()
         region = self._region
         if self._state is not ManagerState.OPEN or region is None:
             raise anyio.ClosedResourceError("the manager is not open")
@@ -560,9 +621,11 @@ class OffloadManager:
 
     def stats(self) -> ManagerStats:
         scheduler, region = self._scheduler, self._region
+        if self._forked():
+            scheduler = None  # its chunks are pinned in the parent, not here
         error = self._pinned.error
         return ManagerStats(
-            state=self._state.value,
+            state=self.state.value,
             backend=self._backend.name,
             backing=self._backing,
             nbytes=self._nbytes,
@@ -599,6 +662,7 @@ class OffloadManager:
 
     def host_blocks(self) -> torch.Tensor:
         """``[num_host_blocks, num_arrays, *block_shape]`` view of the host KV blocks."""
+        self._check_process()
         if self._state is not ManagerState.OPEN:
             raise anyio.ClosedResourceError("the manager is not open")
         if self._host_blocks is None:
@@ -607,16 +671,16 @@ class OffloadManager:
 
     def _make_engine(self, region: HostRegion) -> TransferEngine:
         layout = self._layout
-        assert layout is not None and self._tg is not None
+        assert layout is not None
         self._host_blocks = host_blocks_view(region.view(), layout, self._num_host_blocks)
         if layout.device.type == "cuda":
             from asyncpin.cuda_transfers import CudaTransferEngine
 
             return CudaTransferEngine(
-                layout, self._host_blocks, self._tg.start_soon, chunk_bytes=self._chunk_bytes
+                layout, self._host_blocks, self._tasks.start_soon, chunk_bytes=self._chunk_bytes
             )
         if layout.device.type == "cpu":
-            return HostTransferEngine(layout, self._host_blocks, self._tg.start_soon)
+            return HostTransferEngine(layout, self._host_blocks, self._tasks.start_soon)
         raise ConfigError(f"KV arrays on {layout.device} are not supported")
 
     def store(
@@ -651,6 +715,7 @@ class OffloadManager:
         cpu_block_ids: Sequence[int] | torch.Tensor,
         method: Method,
     ) -> Transfer:
+        self._check_process()
         if self._state is not ManagerState.OPEN:
             raise anyio.ClosedResourceError("the manager is closed to new transfers")
         if threading.get_ident() != self._loop_thread:
@@ -686,6 +751,11 @@ class OffloadManager:
             self._enqueue(job, pageable=False)
         elif self._unpinned_policy == "pageable":
             self._counts["pageable"] += 1
+            region = self._region
+            if region is not None and region.backing == "shared":
+                size = layout.host_block_bytes
+                spans = [(c * size, size) for c in cpu]
+                job.reserve = lambda: region.reserve(spans)
             self._enqueue(job, pageable=True)
         else:
             self._counts["waited"] += 1
@@ -693,8 +763,7 @@ class OffloadManager:
             # and a load must not overwrite blocks the compute stream is still reading:
             # the copy, queued later, waits for what the caller's stream has queued now.
             job.ready = engine.record_ready()
-            assert self._tg is not None
-            self._tg.start_soon(self._enqueue_when_pinned, job, needed)
+            self._tasks.start_soon(self._enqueue_when_pinned, job, needed)
         return transfer
 
     def add_transfer_observer(self, observer: Callable[[Transfer], None]) -> None:

@@ -177,8 +177,16 @@ class PinScheduler:
                 await anyio.to_thread.run_sync(self._pin_one, chunk, limiter=limiter)
                 if self.on_progress is not None:
                     self.on_progress()
-                if self._pin_interval_s > 0:
-                    await anyio.sleep(self._pin_interval_s)
+                if self._pin_interval_s > 0 and not self._stop.is_set():
+                    # The pause ends early when stop() is called, from whichever thread:
+                    # a close or a failure must not wait it out. Abandoned if cancelled,
+                    # the thread returns by itself at the latest when the pause is over.
+                    await anyio.to_thread.run_sync(
+                        self._stop.wait,
+                        self._pin_interval_s,
+                        abandon_on_cancel=True,
+                        limiter=limiter,
+                    )
 
     # -- thread side ------------------------------------------------------------------
 
