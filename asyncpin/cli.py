@@ -6,27 +6,40 @@ fails, else 0.
 This module is an application of the library, so it is the one place that configures
 structlog (warnings and above to stderr; ``--verbose`` for info). Exit codes: 0 on
 success; 1 with one line ``asyncpin demo: error: <message>`` on stderr for an asyncpin or
-OS error; 2 for bad arguments (one line too); 130 after SIGINT (143 after SIGTERM), once
+OS error; 2 for bad arguments (one line too); 128 + the signal's number after a signal
+of :data:`SHUTDOWN_SIGNALS` (130 after SIGINT, 143 after SIGTERM, 129 after SIGHUP), once
 the manager has closed.
+
+Signals: from the moment the demo starts until it exits, the first shutdown signal starts
+the close, and any later one is reported on stderr and changes nothing: the close always
+runs to the end (unpin, unmap, unlink a shared file), and the exit code is the first
+signal's.
+
+Output: with rich installed (the ``demo`` extra), a progress bar and tables; without it,
+the demo and the doctor print the same figures as plain text.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import re
 import signal
+import socket
 import sys
-from collections.abc import Callable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from types import FrameType
 from typing import Any, NoReturn, TextIO
 
 import anyio
+import anyio.lowlevel
 import structlog
 from anyio import CancelScope
-from anyio.abc import TaskStatus
 
 from asyncpin import _sys
 from asyncpin.backends import BACKEND_NAMES, PinBackend, resolve_backend
@@ -38,7 +51,15 @@ from asyncpin.manager import (
     default_prefault_threads,
 )
 
-__all__ = ["DEFAULT_MAX_BYTES", "default_nbytes", "format_bytes", "main", "parse_size"]
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "SHUTDOWN_SIGNALS",
+    "SignalGuard",
+    "default_nbytes",
+    "format_bytes",
+    "main",
+    "parse_size",
+]
 
 PROG = "asyncpin"
 DEFAULT_MAX_BYTES = 4 << 30
@@ -46,7 +67,19 @@ _GIB = 1 << 30
 _REFRESH_S = 0.1
 _EXIT_ERROR = 1
 _EXIT_USAGE = 2
-_SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+_EXIT_SIGINT = 128 + signal.SIGINT
+
+#: Signals that end the demo (and ``examples/server.py``) through its close: those whose
+#: default action ends the process and that a terminal (Ctrl-C, Ctrl-\, hang-up), a shell
+#: (``kill``) or a supervisor commonly sends.
+SHUTDOWN_SIGNALS: tuple[signal.Signals, ...] = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
 
 _UNITS = {
     "": 1,
@@ -262,20 +295,90 @@ class _Outcome:
 
     manager: OffloadManager | None = None
     at_pinned: ManagerStats | None = None
-    signal: int | None = None
 
 
-async def _cancel_on_signal(
-    scope: CancelScope, outcome: _Outcome, *, task_status: TaskStatus[None]
-) -> None:
-    # Our own handler rather than asyncio.Runner's: a second Ctrl-C must not interrupt
-    # the close, and the exit code must say which signal ended the run.
-    with anyio.open_signal_receiver(*_SIGNAL_EXIT) as signals:
-        task_status.started()
-        async for signum in signals:
-            if outcome.signal is None:
-                outcome.signal = int(signum)
-                scope.cancel()
+class SignalGuard:
+    """While entered, no signal of ``signals`` gets its default action (ending the process,
+    or KeyboardInterrupt for SIGINT): each is noted in :attr:`received`, in order, and wakes
+    :meth:`wait`.
+
+    The handlers are Python-level (``signal.signal``), installed before an event loop starts
+    and removed after it has gone, so no signal in between finds a default handler (an
+    event loop's own handlers, ``loop.add_signal_handler``, end with it). A wake-up socket
+    (``signal.set_wakeup_fd``) wakes the loop in :meth:`wait` whichever thread the signal
+    interrupted. Enter it from the main thread; elsewhere it does nothing, since Python
+    runs signal handlers only in the main thread.
+    """
+
+    def __init__(self, signals: Iterable[signal.Signals] = SHUTDOWN_SIGNALS) -> None:
+        self.signals = tuple(signals)
+        self.received: list[signal.Signals] = []
+        self._previous: dict[signal.Signals, Any] = {}
+        self._previous_wakeup = -1
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
+
+    @property
+    def first(self) -> signal.Signals | None:
+        """The first signal received, or None."""
+        return self.received[0] if self.received else None
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signal.Signals(signum))
+
+    def __enter__(self) -> SignalGuard:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        reader, writer = socket.socketpair()
+        reader.setblocking(False)
+        writer.setblocking(False)
+        self._wakeup = reader, writer
+        self._previous_wakeup = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        for signum in self.signals:
+            self._previous[signum] = signal.signal(signum, self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._wakeup is None:
+            return
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+        signal.set_wakeup_fd(self._previous_wakeup)
+        for sock in self._wakeup:
+            sock.close()
+        self._wakeup = None
+
+    async def wait(self, seen: int) -> None:
+        """Return once more than ``seen`` signals have been received (never, if not entered
+        in the main thread)."""
+        while len(self.received) <= seen:
+            if self._wakeup is None:
+                await anyio.sleep_forever()
+                return
+            reader = self._wakeup[0]
+            await anyio.wait_readable(reader)
+            try:
+                while reader.recv(4096):
+                    pass
+            except BlockingIOError:
+                pass
+            # The wake-up byte is written before the Python-level handler runs (in the
+            # main thread, at its next check): let it run before looking again.
+            await anyio.lowlevel.checkpoint()
+
+
+async def _watch_signals(guard: SignalGuard, work: CancelScope, report: _Report) -> None:
+    # The first signal cancels the work (the manager's close is shielded and runs to the
+    # end); the later ones are only reported.
+    seen = 0
+    while True:
+        await guard.wait(seen)
+        for signum in guard.received[seen:]:
+            if seen == 0:
+                work.cancel()
+            else:
+                report.note(f"{signum.name} received while closing: the close runs to the end")
+            seen += 1
 
 
 async def _pin_and_close(
@@ -307,54 +410,97 @@ async def _pin_and_close(
 
 
 async def _demo(
-    args: argparse.Namespace, backend: PinBackend, nbytes: int, report: _Report
+    args: argparse.Namespace,
+    backend: PinBackend,
+    nbytes: int,
+    report: _Report,
+    guard: SignalGuard,
 ) -> _Outcome:
     outcome = _Outcome()
     async with anyio.create_task_group() as tg:
-        await tg.start(_cancel_on_signal, tg.cancel_scope, outcome)
-        try:
-            await _pin_and_close(args, backend, nbytes, outcome, report)
-        finally:
-            tg.cancel_scope.cancel()
+        with CancelScope() as work:
+            tg.start_soon(_watch_signals, guard, work, report)
+            try:
+                await _pin_and_close(args, backend, nbytes, outcome, report)
+            finally:
+                tg.cancel_scope.cancel()
     return outcome
 
 
+_Segments = Sequence[tuple[str, str]]  # (text, rich style) pieces of one line
+
+
+def _rich_console() -> Any:
+    """A rich Console, or None where rich is not installed (plain text then)."""
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    return Console(highlight=False)
+
+
+def plain_table(title: str, header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """Rows as plain text in aligned columns under a title (the output without rich)."""
+    lines = [list(header), *(list(row) for row in rows)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    rendered = [
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    ]
+    rendered.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join([title, *rendered])
+
+
 class _Report:
-    """Human output (rich, on stdout) or JSON (stdout, nothing else there)."""
+    """Human output on stdout (rich where installed, else plain text) or JSON (stdout,
+    nothing else there)."""
 
     def __init__(self, *, as_json: bool) -> None:
         self.as_json = as_json
-        self._console: Any = None
-        if not as_json:
-            from rich.console import Console
-
-            self._console = Console(highlight=False)
+        self._console: Any = None if as_json else _rich_console()
 
     def note(self, text: str) -> None:
-        print(f"{PROG} demo: {text}", file=sys.stderr)
+        with contextlib.suppress(OSError):  # stderr gone (a hung-up terminal): nothing to do
+            print(f"{PROG} demo: {text}", file=sys.stderr, flush=True)
+
+    def _line(self, segments: _Segments) -> None:
+        if self.as_json:
+            return
+        if self._console is None:
+            print("".join(text for text, _style in segments), flush=True)
+            return
+        from rich.text import Text
+
+        self._console.print(Text.assemble(*segments), soft_wrap=True)
 
     def started(self, backend: PinBackend, nbytes: int, args: argparse.Namespace) -> None:
-        if self._console is None:
-            return
-        self._console.print(
-            f"[bold]asyncpin demo[/]: backend [cyan]{backend.name}[/], "
-            f"{format_bytes(nbytes)} {args.backing}, chunks of {args.chunk_mib} MiB, "
-            f"{args.prefault_threads} prefault / {args.pin_threads} pin threads",
-            soft_wrap=True,
+        self._line(
+            [
+                ("asyncpin demo", "bold"),
+                (": backend ", ""),
+                (backend.name, "cyan"),
+                (
+                    f", {format_bytes(nbytes)} {args.backing}, chunks of {args.chunk_mib} MiB, "
+                    f"{args.prefault_threads} prefault / {args.pin_threads} pin threads",
+                    "",
+                ),
+            ]
         )
 
     def entered(self, stats: ManagerStats) -> None:
-        if self._console is None:
-            return
         enter_ms = (stats.seconds_to_enter or 0.0) * 1e3
-        self._console.print(
-            f"entered in {enter_ms:.2f} ms; "
-            f"pinning {_chunks(stats.chunks_total)} in the background",
-            soft_wrap=True,
+        self._line(
+            [
+                (
+                    f"entered in {enter_ms:.2f} ms; "
+                    f"pinning {_chunks(stats.chunks_total)} in the background",
+                    "",
+                )
+            ]
         )
 
     def progress(self, nbytes: int) -> _ProgressContext:
-        return _ProgressContext(self._console, nbytes)
+        return _ProgressContext(self._console, nbytes, enabled=not self.as_json)
 
     def finished(self, outcome: _Outcome) -> None:
         assert outcome.manager is not None and outcome.at_pinned is not None
@@ -371,28 +517,37 @@ class _Report:
             }
             print(json.dumps(doc, indent=2))
             return
+        rows = list(_rows(final, pinned, ratio, locked_after))
+        if self._console is None:
+            print(plain_table("asyncpin demo", ("figure", "value"), rows))
+            return
         from rich.table import Table
 
         table = Table(title="asyncpin demo", show_header=True, header_style="bold")
         table.add_column("figure")
         table.add_column("value", justify="right")
-        for figure, value in _rows(final, pinned, ratio, locked_after):
+        for figure, value in rows:
             table.add_row(figure, value)
         self._console.print(table)
 
 
 class _ProgressContext:
-    """A rich progress bar over pinned bytes; a no-op without a console."""
+    """Progress over pinned bytes: a rich progress bar, or without rich a plain line at
+    every tenth of the buffer; a no-op for JSON output."""
 
-    def __init__(self, console: Any, nbytes: int) -> None:
+    def __init__(self, console: Any, nbytes: int, *, enabled: bool) -> None:
         self._console = console
         self._nbytes = nbytes
+        self._enabled = enabled
         self._progress: Any = None
         self._task: Any = None
+        self._tenths = 0
 
     def __enter__(self) -> Callable[[int], None]:
-        if self._console is None:
+        if not self._enabled:
             return lambda _done: None
+        if self._console is None:
+            return self._plain
         from rich.progress import (
             BarColumn,
             DownloadColumn,
@@ -416,6 +571,15 @@ class _ProgressContext:
 
     def _update(self, done: int) -> None:
         self._progress.update(self._task, completed=done)
+
+    def _plain(self, done: int) -> None:
+        tenths = done * 10 // self._nbytes if self._nbytes else 10
+        if tenths > self._tenths:
+            self._tenths = tenths
+            print(
+                f"pinning: {tenths * 10}% ({format_bytes(done)} of {format_bytes(self._nbytes)})",
+                flush=True,
+            )
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:
@@ -477,6 +641,12 @@ def _is_reportable(exc: BaseException) -> bool:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    # From here to the exit, a shutdown signal never ends the process before the close.
+    with SignalGuard() as guard:
+        return _run_demo_guarded(args, guard)
+
+
+def _run_demo_guarded(args: argparse.Namespace, guard: SignalGuard) -> int:
     report = _Report(as_json=args.json)
     backend = resolve_backend(args.backend)
     if args.size is not None:
@@ -498,8 +668,9 @@ def _run_demo(args: argparse.Namespace) -> int:
             )
             return _EXIT_ERROR
     report.started(backend, nbytes, args)
-    outcome = anyio.run(_demo, args, backend, nbytes, report)
-    if outcome.signal is not None:
+    outcome = anyio.run(_demo, args, backend, nbytes, report, guard)
+    first = guard.first
+    if first is not None:
         stats = outcome.manager.stats() if outcome.manager is not None else None
         closed = (
             f"; manager {stats.state} after {_seconds(stats.close_seconds)} with "
@@ -507,8 +678,8 @@ def _run_demo(args: argparse.Namespace) -> int:
             if stats is not None
             else ""
         )
-        report.note(f"interrupted by {signal.Signals(outcome.signal).name}{closed}")
-        return _SIGNAL_EXIT[signal.Signals(outcome.signal)]
+        report.note(f"interrupted by {first.name}{closed}")
+        return 128 + first
     report.finished(outcome)
     return 0
 
@@ -535,7 +706,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Only reachable outside the demo's own signal handling (before or after the
         # manager's lifetime), so there is nothing left open.
         print(f"{PROG} demo: interrupted", file=sys.stderr)
-        return _SIGNAL_EXIT[signal.SIGINT]
+        return _EXIT_SIGINT
     except BaseException as exc:
         if isinstance(exc, Exception) and _is_reportable(exc):
             print(f"{PROG} demo: error: {_one_line(exc)}", file=sys.stderr)

@@ -401,15 +401,23 @@ def worst(checks: list[Check]) -> Status:
 
 
 def render(checks: list[Check], *, as_json: bool) -> str:
-    """The checks as JSON (``{"status": worst, "checks": [...]}``) or as a rich table."""
+    """The checks as JSON (``{"status": worst, "checks": [...]}``) or as a table (rich, or
+    plain text where rich is not installed)."""
     if as_json:
         doc: dict[str, Any] = {
             "status": worst(checks),
             "checks": [asdict(check) for check in checks],
         }
         return json.dumps(doc, indent=2)
-    from rich.console import Console
-    from rich.table import Table
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        from asyncpin.cli import plain_table
+
+        header = ("check", "status", "value", "what to change")
+        rows = [(c.name, c.status, c.value, c.advice) for c in checks]
+        return plain_table("asyncpin doctor", header, rows)
 
     colours = {"pass": "green", "warn": "yellow", "fail": "bold red"}
     table = Table(title="asyncpin doctor", show_header=True, header_style="bold")

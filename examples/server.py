@@ -3,9 +3,12 @@
     pip install -e '.[server,metrics]'
     ASYNCPIN_NBYTES=4GiB python -m examples.server --port 8000
 
-``python -m examples.server`` runs uvicorn on :func:`create_app` (``uvicorn --factory
-examples.server:create_app`` serves the same app; see :func:`main` for the difference).
-The server answers at once while the buffer pins in the background:
+``python -m examples.server`` runs uvicorn on :func:`create_app`. ``uvicorn --factory
+examples.server:create_app`` serves the same app with uvicorn's own signal handling, which
+this module replaces (``_Server``): any of SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and
+SIGUSR2 shuts the server down, no later signal can skip or cut short the manager's close,
+and a clean shut-down exits 0. The server answers at once while the buffer pins in the
+background:
 
 - ``GET /healthz/live``: 200 as soon as the process serves requests.
 - ``GET /healthz/ready``: 503 while pinning (``status``, ``pinned_bytes``, ``nbytes``,
@@ -27,12 +30,15 @@ arguments of :func:`create_app`, or else from the environment:
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import logging
 import os
-import signal
-from collections.abc import AsyncIterator, Mapping, Sequence
+import socket
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from types import FrameType
 
+import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -40,7 +46,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asyncpin import DEFAULT_CHUNK_BYTES, ManagerState, OffloadManager, PinBackend
-from asyncpin.cli import parse_size
+from asyncpin.cli import SHUTDOWN_SIGNALS, SignalGuard, parse_size
 from asyncpin.metrics import OffloadCollector
 from asyncpin.region import Backing
 
@@ -138,20 +144,69 @@ def create_app(
     )
 
 
-def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(0)
+class _Server(uvicorn.Server):
+    """uvicorn's server, ended the same way by every signal of ``SHUTDOWN_SIGNALS``, with an
+    application shut-down (the manager's close) that no later signal skips or interrupts.
+
+    On its own, uvicorn handles SIGINT and SIGTERM only (SIGHUP or SIGUSR1 would kill the
+    process at once, leaving a shared file behind); a second SIGINT before the application's
+    shut-down has begun makes it skip it; and once shut down, it raises the signals it caught
+    again, for the handlers that were there before it started (with the default ones, the
+    process dies of the signal). Here a ``SignalGuard`` holds the signals for the whole
+    process (see :func:`main`) and uvicorn installs none of its own. The first signal starts
+    the shut-down. A later one is logged and stops the wait for open connections and
+    background tasks, as a second Ctrl-C does in uvicorn, but the application's shut-down
+    runs all the same. No signal is raised again: a clean shut-down exits 0.
+    """
+
+    def __init__(self, config: uvicorn.Config, guard: SignalGuard) -> None:
+        super().__init__(config)
+        self.guard = guard
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # the guard holds them, from before the loop starts until after it ends
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        watcher = asyncio.ensure_future(self._watch_signals())
+        try:
+            await super().serve(sockets)
+        finally:
+            watcher.cancel()
+
+    async def _watch_signals(self) -> None:
+        seen = 0
+        while True:
+            await self.guard.wait(seen)
+            for signum in self.guard.received[seen:]:
+                if seen == 0:
+                    self.should_exit = True
+                else:
+                    self.force_exit = True
+                    logging.getLogger("uvicorn.error").warning(
+                        "%s received while shutting down: no longer waiting for open "
+                        "connections; the offload manager still closes before the process "
+                        "exits",
+                        signum.name,
+                    )
+                seen += 1
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        # uvicorn skips the application's shut-down when a later signal forced the exit
+        # before it began (once begun, it runs to the end); the manager must close anyway.
+        shut_down = getattr(self.lifespan, "shutdown_event", None)
+        if self.force_exit and shut_down is not None and not shut_down.is_set():
+            await self.lifespan.shutdown()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Serve :func:`create_app` with uvicorn until SIGINT or SIGTERM; exit status 0.
+    """Serve :func:`create_app` with uvicorn until a signal of ``SHUTDOWN_SIGNALS`` (SIGINT,
+    SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2); exit status 0 after a clean shut-down.
 
-    uvicorn shuts down gracefully on SIGTERM (the lifespan closes the manager), then
-    raises the signal again for whatever handled it before it started: with the default
-    handler the process would die of SIGTERM after a clean shut-down, which process
-    managers report as a failure. The handler installed here makes it exit 0 instead.
+    The signals are held from before uvicorn starts until it has returned, so none finds
+    a default handler while the manager is open or closing (see ``_Server``).
     """
-    import uvicorn
-
     parser = argparse.ArgumentParser(prog="python -m examples.server", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -169,8 +224,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         lifespan="on",
         log_level=args.log_level,
     )
-    signal.signal(signal.SIGTERM, _exit_cleanly)
-    uvicorn.Server(config).run()
+    with SignalGuard(SHUTDOWN_SIGNALS) as guard:
+        _Server(config, guard).run()
 
 
 if __name__ == "__main__":

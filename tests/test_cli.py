@@ -183,6 +183,63 @@ class TestInterrupt:
         assert "0 B still pinned" in lines[0]
 
 
+# `python -m asyncpin ...` in a process where rich cannot be imported, as after
+# `pip install -e .` without extras.
+WITHOUT_RICH = """
+import runpy, sys
+sys.modules["rich"] = None  # any `import rich...` raises ImportError
+sys.argv = ["asyncpin", *sys.argv[1:]]
+runpy.run_module("asyncpin", run_name="__main__", alter_sys=True)
+"""
+
+
+def without_rich(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_RICH, *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=REPO,
+        timeout=TIMEOUT_S,
+    )
+
+
+class TestWithoutRich:
+    """The demo and the doctor print plain text when rich is not installed."""
+
+    def test_demo(self) -> None:
+        proc = without_rich("demo", "--size", "16MiB", "--backend", "host", "--chunk-mib", "4")
+        assert proc.returncode == 0, proc.stderr
+        assert "Traceback" not in proc.stderr
+        lines = proc.stdout.splitlines()
+        assert lines[0].startswith("asyncpin demo: backend host, 16.00 MiB anonymous"), lines
+        assert lines[1].startswith("entered in "), lines
+        assert "pinning: 100% (16.00 MiB of 16.00 MiB)" in lines
+        table = lines[lines.index("asyncpin demo") :]
+        assert table[1].split() == ["figure", "value"], table
+        rows = {line[:28].strip(): line[28:].strip() for line in table[3:]}
+        assert rows["buffer"] == "16.00 MiB in 4 chunks", rows
+        assert rows["state / leaked chunks"] == "closed / 0", rows
+        for figure in ("time to enter", "time to pinned", "pinning speed", "close time"):
+            assert figure in rows
+
+    def test_doctor(self) -> None:
+        proc = without_rich("doctor", "--size", "16MiB", "--backend", "host")
+        assert proc.returncode in (0, 1), proc.stderr
+        assert "Traceback" not in proc.stderr
+        lines = proc.stdout.splitlines()
+        assert lines[0] == "asyncpin doctor"
+        assert lines[1].split()[:2] == ["check", "status"], lines
+        names = {line.split()[0] for line in lines[3:]}
+        assert {"memory", "memlock", "shm", "cuda"} <= names, lines
+
+    def test_rich_is_an_extra(self) -> None:
+        import tomllib
+
+        project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+        assert not any(dep.startswith("rich") for dep in project["dependencies"])
+
+
 class TestParseSize:
     """--size takes bytes or a number with a binary (KiB...) or decimal (KB...) unit."""
 
