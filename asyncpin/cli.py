@@ -304,10 +304,13 @@ class SignalGuard:
 
     The handlers are Python-level (``signal.signal``), installed before an event loop starts
     and removed after it has gone, so no signal in between finds a default handler (an
-    event loop's own handlers, ``loop.add_signal_handler``, end with it). A wake-up socket
-    (``signal.set_wakeup_fd``) wakes the loop in :meth:`wait` whichever thread the signal
-    interrupted. Enter it from the main thread; elsewhere it does nothing, since Python
-    runs signal handlers only in the main thread.
+    event loop's own handlers, ``loop.add_signal_handler``, end with it). :meth:`wait`
+    wakes two ways: the handler itself schedules the wake-up on the waiting loop (it runs
+    in the main thread, once the loop wakes for the signal), and a wake-up socket
+    (``signal.set_wakeup_fd``) wakes a loop that nothing else would wake. An event loop
+    that installs its own wake-up descriptor (uvloop does) replaces the socket; the first
+    way still works. Enter it from the main thread; elsewhere it does nothing, since
+    Python runs signal handlers only in the main thread.
     """
 
     def __init__(self, signals: Iterable[signal.Signals] = SHUTDOWN_SIGNALS) -> None:
@@ -316,6 +319,7 @@ class SignalGuard:
         self._previous: dict[signal.Signals, Any] = {}
         self._previous_wakeup = -1
         self._wakeup: tuple[socket.socket, socket.socket] | None = None
+        self._waker: Callable[[], None] | None = None
 
     @property
     def first(self) -> signal.Signals | None:
@@ -324,6 +328,10 @@ class SignalGuard:
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         self.received.append(signal.Signals(signum))
+        waker, self._waker = self._waker, None
+        if waker is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nothing waits
+                waker()
 
     def __enter__(self) -> SignalGuard:
         if threading.current_thread() is not threading.main_thread():
@@ -355,8 +363,15 @@ class SignalGuard:
             if self._wakeup is None:
                 await anyio.sleep_forever()
                 return
+            woken = anyio.Event()
+            self._waker = _call_soon(woken.set)
+            if len(self.received) > seen:
+                break
             reader = self._wakeup[0]
-            await anyio.wait_readable(reader)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_set_when_readable, reader, woken)
+                await woken.wait()
+                tg.cancel_scope.cancel()
             try:
                 while reader.recv(4096):
                     pass
@@ -365,6 +380,31 @@ class SignalGuard:
             # The wake-up byte is written before the Python-level handler runs (in the
             # main thread, at its next check): let it run before looking again.
             await anyio.lowlevel.checkpoint()
+        self._waker = None
+
+
+async def _set_when_readable(sock: socket.socket, event: anyio.Event) -> None:
+    await anyio.wait_readable(sock)
+    event.set()
+
+
+def _call_soon(fn: Callable[[], None]) -> Callable[[], None]:
+    """A callable that schedules ``fn`` on the running event loop, safe to call from a
+    signal handler (asyncio's ``call_soon_threadsafe``, trio's ``run_sync_soon``)."""
+    import asyncio
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio: trio, the other backend anyio runs on
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+        return lambda: token.run_sync_soon(fn)
+
+    def wake() -> None:
+        loop.call_soon_threadsafe(fn)
+
+    return wake
 
 
 async def _watch_signals(guard: SignalGuard, work: CancelScope, report: _Report) -> None:
