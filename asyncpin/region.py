@@ -507,10 +507,13 @@ def validate_nbytes(nbytes: int) -> int:
 
 
 def _shm_free_raw() -> int:
-    """Free bytes in /dev/shm less the bytes its sparse files were promised (their size)
-    and do not hold yet: a file's size takes no space until its pages are touched, so the
-    plain free space lets two regions promise the same memory. Negative when over-promised."""
+    """Free bytes in /dev/shm less the bytes this user's sparse files there were promised
+    (their size) and do not hold yet: a file's size takes no space until its pages are
+    touched, so the plain free space lets two regions promise the same memory. Other
+    users' files are not counted: any user could otherwise refuse every creator with one
+    huge empty file. Negative when over-promised."""
     st = os.statvfs(SHM_DIR)
+    uid = os.geteuid()
     promised = 0
     with os.scandir(SHM_DIR) as entries:
         for entry in entries:
@@ -518,7 +521,7 @@ def _shm_free_raw() -> int:
                 info = entry.stat(follow_symlinks=False)
             except OSError:
                 continue  # removed meanwhile
-            if stat.S_ISREG(info.st_mode):
+            if stat.S_ISREG(info.st_mode) and info.st_uid == uid:
                 promised += max(0, info.st_size - info.st_blocks * 512)
     return st.f_bavail * st.f_frsize - promised
 

@@ -366,6 +366,17 @@ class TestShmSpace:
         finally:
             first.release()
 
+    def test_another_users_empty_file_cannot_refuse_creators(self, shm_name: str) -> None:
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give the file away")
+        with planted(SHM_DIR / f"{shm_name}-huge") as path:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, 1 << 50)  # promises far more than /dev/shm holds, costs nothing
+            os.close(fd)
+            os.chown(path, 65534, 65534)
+            region = HostRegion.create(MIB_2, backing="shared", name=shm_name)
+            region.release()
+
     def test_attach_checks_the_memory_it_adds(
         self, shm_name: str, monkeypatch: pytest.MonkeyPatch
     ) -> None:
