@@ -251,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--size",
         type=_size_arg,
         default=None,
-        help="buffer size to check for (default: the demo's, min(4 GiB, MemAvailable/4))",
+        help="buffer size to check for (default: the demo's, min(4 GiB, MemAvailable/4), "
+        "capped by what is left of RLIMIT_MEMLOCK when mlock pins it without CAP_IPC_LOCK)",
     )
     doctor.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
     doctor.add_argument("--backing", choices=("anonymous", "shared"), default="anonymous")

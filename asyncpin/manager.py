@@ -597,7 +597,8 @@ class OffloadManager:
         return self._gate.paused()
 
     def host_view(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
-        """A uint8 tensor over part of the region; valid until the manager closes."""
+        """A uint8 tensor over part of the region. It keeps that memory mapped while it
+        lives, past close too (then no longer pinned): drop it to give the memory back."""
         self._check_process()
         if self._state is not ManagerState.OPEN or self._region is None:
             raise anyio.ClosedResourceError("the manager is not open")

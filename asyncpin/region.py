@@ -378,6 +378,8 @@ class HostRegion:
             or nbytes <= 0
             or offset + nbytes > self.nbytes
         ):
+            if isinstance(nbytes, int) and nbytes <= 0:
+                raise ConfigError(f"a view needs a positive length, not nbytes={nbytes}")
             raise ConfigError(
                 f"view of {nbytes!r} bytes at offset {offset!r} is outside the region of "
                 f"{self.nbytes} bytes"
@@ -691,9 +693,11 @@ def _open_own(name: str, flags: int) -> tuple[int, os.stat_result, RegionHeader]
 
 
 def _check_layout(name: str, recorded: dict[str, Any], expected: dict[str, Any]) -> None:
-    for key in sorted(recorded.keys() & expected.keys()):
-        if key == "num_host_blocks":
-            continue  # an attacher may use fewer; the size check covers it
+    # The most telling difference first; an attacher may use fewer host blocks (the size
+    # check covers that).
+    for key in ("num_arrays", "dtype", "block_shape", "host_block_bytes"):
+        if key not in recorded or key not in expected:
+            continue
         if recorded[key] != expected[key]:
             raise ConfigError(
                 f"shared region {name!r} holds KV blocks with {key}={recorded[key]!r}, "
