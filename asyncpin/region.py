@@ -17,6 +17,7 @@ import os
 import re
 import stat
 import struct
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,7 +112,7 @@ class RegionHeader:
         if layout_len:
             try:
                 layout = json.loads(data[_HEADER.size : _HEADER.size + layout_len])
-            except ValueError:
+            except (ValueError, RecursionError):  # anyone can write a file: forged nesting
                 return None
             if not isinstance(layout, dict):
                 return None
@@ -131,12 +132,39 @@ class _Mapping:
         self.pid = os.getpid()
         self.keep: list[Chunk] = []
         self.released = False
+        _LIVE.add(self)
 
     def __del__(self) -> None:
-        # A forked child has no such mapping (MADV_DONTFORK): the range may hold the
-        # child's own memory, which must not be unmapped.
+        # In a forked child that could not cover the range (see _cover_in_child), it may
+        # hold the child's own memory, which must not be unmapped.
         if self.released and os.getpid() == self.pid:
             _unmap_except(self.address, self.nbytes, self.keep)
+
+
+_LIVE: weakref.WeakSet[_Mapping] = weakref.WeakSet()
+_MAP_FIXED_NOREPLACE = 0x100000
+
+
+def _cover_in_child() -> None:
+    """After fork, in the child: a region is MADV_DONTFORK, so its range is a hole there
+    that the child's own allocations would fill, and a view kept across the fork would
+    then write into them. Map private zero pages over each hole first: a stale view in the
+    child reads zeros and writes to memory nobody else has, and the placeholder is the
+    child's to unmap when the last view goes."""
+    for mapping in list(_LIVE):
+        try:
+            _sys.libc_mmap(
+                mapping.nbytes,
+                mmap.PROT_READ | mmap.PROT_WRITE,
+                mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE,
+                addr=mapping.address,
+            )
+        except OSError:
+            continue  # taken already (or an old kernel): never unmapped by this child
+        mapping.pid, mapping.keep, mapping.released = os.getpid(), [], True
+
+
+os.register_at_fork(after_in_child=_cover_in_child)
 
 
 def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -429,8 +457,7 @@ class HostRegion:
                 if exc.errno != errno.ENOSPC:
                     raise
                 raise _sys.LibcError(
-                    f"reserving {nbytes} bytes of /dev/shm/{self.name} (the file system is "
-                    "full)",
+                    f"reserving {nbytes} bytes of /dev/shm/{self.name} (the file system is full)",
                     errno.ENOSPC,
                 ) from exc
 
@@ -555,6 +582,12 @@ def _create_shared(
 ) -> HostRegion:
     header = RegionHeader(nbytes, os.getpid(), layout)
     header_page = header.pack()  # a layout too large is refused before anything is made
+    # A stale region of this name goes first: its memory must not count against its
+    # replacement (a supervisor restarting a killed server reuses the name).
+    try:
+        reclaimed_early = _exists(name) and _stale_for_sure(name) and unlink_stale(name)
+    except (ConfigError, RegionNotFoundError):
+        reclaimed_early = False  # not asyncpin's, or gone: publishing says which
     check_shm_space(nbytes + HEADER_BYTES)
     dir_fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -569,7 +602,7 @@ def _create_shared(
             fcntl.flock(fd, fcntl.LOCK_SH)
             os.ftruncate(fd, nbytes + HEADER_BYTES)
             os.pwrite(fd, header_page, nbytes)
-            reclaimed = _publish(fd, name, dir_fd)
+            reclaimed = _publish(fd, name, dir_fd) or reclaimed_early
             try:
                 # Checked again with this file visible: two creators that passed the check
                 # at once must not both keep memory that only one of them can have.
@@ -617,7 +650,7 @@ def _publish(fd: int, name: str, dir_fd: int) -> bool:
         except FileExistsError:
             pass
         try:
-            stale = is_stale(name)
+            stale = _stale_for_sure(name)
         except RegionNotFoundError:
             continue  # gone meanwhile
         except ConfigError:
@@ -631,6 +664,22 @@ def _publish(fd: int, name: str, dir_fd: int) -> bool:
             )
         reclaimed = unlink_stale(name) or reclaimed
     raise ConfigError(f"could not create {path}: other processes keep creating and removing it")
+
+
+def _exists(name: str) -> bool:
+    return os.path.lexists(SHM_DIR / name)
+
+
+def _stale_for_sure(name: str) -> bool:
+    """:func:`is_stale`, asked again when the answer is "live": another process probing
+    the same region (a doctor, a scan) holds its lock for a moment, which looks like a
+    live creator. A live creator's lock is there every time."""
+    for attempt in range(4):
+        if is_stale(name):
+            return True
+        if attempt < 3:
+            time.sleep(0.001 * (attempt + 1))
+    return False
 
 
 def _file_id(info: os.stat_result) -> tuple[int, int]:
@@ -665,6 +714,11 @@ def _open_own(name: str, flags: int) -> tuple[int, os.stat_result, RegionHeader]
             raise ConfigError(
                 f"{path} is a symbolic link; refusing to follow it (not a region made by asyncpin)"
             ) from None
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise ConfigError(
+                f"{path} cannot be opened by uid {os.geteuid()} ({exc.strerror}): another "
+                "user's file, not a region of this user's"
+            ) from None
         raise
     try:
         info = os.fstat(fd)
@@ -696,8 +750,10 @@ def _check_layout(name: str, recorded: dict[str, Any], expected: dict[str, Any])
     # The most telling difference first; an attacher may use fewer host blocks (the size
     # check covers that).
     for key in ("num_arrays", "dtype", "block_shape", "host_block_bytes"):
-        if key not in recorded or key not in expected:
+        if key not in expected:
             continue
+        if key not in recorded:
+            raise ConfigError(f"shared region {name!r} does not record its KV blocks' {key}")
         if recorded[key] != expected[key]:
             raise ConfigError(
                 f"shared region {name!r} holds KV blocks with {key}={recorded[key]!r}, "

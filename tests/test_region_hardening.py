@@ -468,3 +468,76 @@ class TestNamesSizesAndUnlink:
     def test_attach_to_missing_name(self, shm_name: str) -> None:
         with pytest.raises(RegionNotFoundError):
             HostRegion.attach(shm_name)
+
+
+# -- forged headers and a full /dev/shm at restart ------------------------------------------
+
+
+def forge(path: Path, nbytes: int, layout: bytes) -> None:
+    """A file with asyncpin's header, written by hand: what any process of this user can do."""
+    import struct
+
+    head = struct.pack("<16sIIQQI", b"ASYNCPIN-REGION\x00", 1, HEADER_BYTES, nbytes, 1, len(layout))
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes + HEADER_BYTES)
+        os.pwrite(fd, (head + layout).ljust(HEADER_BYTES, b"\x00"), nbytes)
+    finally:
+        os.close(fd)
+
+
+RESTART_ON_A_SMALL_SHM = """
+import os, signal, subprocess, sys
+from pathlib import Path
+import asyncpin.region as region
+
+mnt, name, nbytes = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+region.SHM_DIR = mnt
+if sys.argv[4] == "creator":
+    r = region.HostRegion.create(nbytes, backing="shared", name=name)
+    r.view().fill_(1)  # every page backed, as a server that ran a while
+    os.kill(os.getpid(), signal.SIGKILL)
+r = region.HostRegion.create(nbytes, backing="shared", name=name)
+print("RECLAIMED", r.reclaimed_stale, flush=True)
+r.release()
+"""
+
+
+class TestForgedHeadersAndRestart:
+    """A forged header is refused without a crash; a restart reclaims a big stale region."""
+
+    def test_deeply_nested_layout(self, shm_name: str) -> None:
+        with planted(SHM_DIR / shm_name) as path:
+            forge(path, MIB_2, b"[" * 4000)
+            with pytest.raises(ConfigError, match="no asyncpin header"):
+                HostRegion.attach(shm_name)
+            assert shm_name not in stale_regions()
+            assert unlink_stale(shm_name) is False and path.exists()
+            checks = {c.name: c for c in doctor_mod.run_checks(nbytes=MIB_2)}
+            assert checks["stale_regions"].status == "pass"
+
+    def test_layout_the_header_does_not_record(self, shm_name: str) -> None:
+        with planted(SHM_DIR / shm_name) as path:
+            forge(path, MIB_2, b'{"x": 1}')
+            with pytest.raises(ConfigError, match="does not record"):
+                HostRegion.attach(shm_name, layout={"num_arrays": 2})
+
+    def test_restart_reclaims_a_region_larger_than_what_is_left(self, tmp_path: Path) -> None:
+        mnt = tmp_path / "shm"
+        mnt.mkdir()
+        mount = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True
+        )
+        if mount.returncode != 0:
+            pytest.skip("needs a tmpfs of its own (mount, as root)")
+        try:
+            args = (str(mnt), "kv", str(6 * MiB))
+            killed = run_child(RESTART_ON_A_SMALL_SHM, *args, "creator")
+            assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+            assert (mnt / "kv").exists()
+            restarted = run_child(RESTART_ON_A_SMALL_SHM, *args, "restart")
+            assert restarted.returncode == 0, restarted.stderr[-2000:]
+            assert "RECLAIMED True" in restarted.stdout
+            assert not (mnt / "kv").exists()
+        finally:
+            subprocess.run(["umount", str(mnt)], check=True)
