@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import select
+import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,3 +35,18 @@ def releasing(*holds: Releasable) -> Iterator[None]:
     finally:
         for hold in holds:
             hold.release()
+
+
+def wait_child(pid: int, timeout_s: float = THREAD_TIMEOUT_S) -> int:
+    """Wait for a forked child with a bound; returns its exit code (killed on timeout)."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        ready, _, _ = select.select([pidfd], [], [], timeout_s)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"forked child {pid} did not exit within {timeout_s} s")
+        _, status = os.waitpid(pid, 0)
+        return os.waitstatus_to_exitcode(status)
+    finally:
+        os.close(pidfd)

@@ -23,8 +23,6 @@ import ctypes
 import gc
 import json
 import os
-import select
-import signal
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -49,7 +47,7 @@ from asyncpin.errors import ConfigError, ForkedManagerError, LifecycleError
 from asyncpin.manager import MAX_THREADS
 from asyncpin.testing import FakeBackend, is_mapped
 from asyncpin.transfers import HostTransferEngine, TransferJob
-from tests.helpers import THREAD_TIMEOUT_S, releasing, wait_thread_event
+from tests.helpers import THREAD_TIMEOUT_S, releasing, wait_child, wait_thread_event
 
 BACKENDS = pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 
@@ -559,24 +557,6 @@ class TestOwnedTasks:
 
 
 # -- fork -------------------------------------------------------------------------------
-
-
-MAP_FIXED_NOREPLACE = 0x100000
-
-
-def wait_child(pid: int, timeout_s: float = TIMEOUT_S) -> int:
-    """Wait for a forked child with a bound; returns its exit code (killed on timeout)."""
-    pidfd = os.pidfd_open(pid)
-    try:
-        ready, _, _ = select.select([pidfd], [], [], timeout_s)
-        if not ready:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise AssertionError(f"forked child {pid} did not exit within {timeout_s} s")
-        _, status = os.waitpid(pid, 0)
-        return os.waitstatus_to_exitcode(status)
-    finally:
-        os.close(pidfd)
 
 
 def child_checks(mgr: OffloadManager, fake: FakeBackend, address: int) -> list[str]:

@@ -12,7 +12,6 @@ import ctypes
 import hashlib
 import os
 import queue
-import select
 import signal
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import torch
 from asyncpin import HostBackend, KVLayout, ManagerState, OffloadManager, _sys
 from asyncpin.region import SHM_DIR, is_stale, unlink_stale
 from asyncpin.testing import FakeBackend
+from tests.helpers import wait_child
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -117,21 +117,6 @@ def vmas(address: int, nbytes: int) -> set[tuple[int, int]]:
         if lo < address + nbytes and hi > address:
             found.add((lo, hi))
     return found
-
-
-def wait_child(pid: int, timeout_s: float = TIMEOUT_S) -> int:
-    """Wait for a forked child with a bound; returns its exit code (killed on timeout)."""
-    pidfd = os.pidfd_open(pid)
-    try:
-        ready, _, _ = select.select([pidfd], [], [], timeout_s)
-        if not ready:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise AssertionError(f"forked child {pid} did not exit within {timeout_s} s")
-        _, status = os.waitpid(pid, 0)
-        return os.waitstatus_to_exitcode(status)
-    finally:
-        os.close(pidfd)
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ import hashlib
 import itertools
 import mmap
 import os
-import select
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 from asyncpin import ConfigError, OffloadManager, RegionNotFoundError, _sys
 from asyncpin.region import HEADER_BYTES, SHM_DIR, Backing, HostRegion
 from asyncpin.testing import is_mapped
+from tests.helpers import wait_child
 
 PAGE = _sys.PAGE_SIZE
 MIB = 1 << 20
@@ -49,21 +49,6 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
-
-
-def wait_child(pid: int, timeout_s: float) -> int:
-    """Wait for a forked child with a bound; returns its exit code (killed on timeout)."""
-    pidfd = os.pidfd_open(pid)
-    try:
-        ready, _, _ = select.select([pidfd], [], [], timeout_s)
-        if not ready:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            raise AssertionError(f"forked child {pid} did not exit within {timeout_s} s")
-        _, status = os.waitpid(pid, 0)
-        return os.waitstatus_to_exitcode(status)
-    finally:
-        os.close(pidfd)
 
 
 class TestSize:

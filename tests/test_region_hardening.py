@@ -62,6 +62,22 @@ def mapped(address: int) -> bool:
     return False
 
 
+@contextmanager
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs of the test's own, standing in for /dev/shm (skips without mount)."""
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if mount.returncode != 0:
+        pytest.skip("needs a tmpfs of its own (mount, as root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
 def cpu_layout(dtype: torch.dtype = torch.float32) -> KVLayout:
     return KVLayout.from_tensors([torch.zeros(16, 4, 8, dtype=dtype) for _ in range(2)])
 
@@ -394,17 +410,8 @@ class TestShmSpace:
             creator.release()
 
     def test_pageable_store_into_a_full_shm_is_an_error_not_sigbus(self, tmp_path: Path) -> None:
-        mnt = tmp_path / "shm"
-        mnt.mkdir()
-        mount = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True
-        )
-        if mount.returncode != 0:
-            pytest.skip("needs a tmpfs of its own (mount, as root)")
-        try:
+        with small_tmpfs(tmp_path) as mnt:
             proc = run_child(FULL_SHM_PAGEABLE, str(mnt))
-        finally:
-            subprocess.run(["umount", str(mnt)], check=True)
         assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
         assert "REFUSED" in proc.stdout and "file system is full" in proc.stdout
         assert "CLOSED" in proc.stdout
@@ -523,14 +530,7 @@ class TestForgedHeadersAndRestart:
                 HostRegion.attach(shm_name, layout={"num_arrays": 2})
 
     def test_restart_reclaims_a_region_larger_than_what_is_left(self, tmp_path: Path) -> None:
-        mnt = tmp_path / "shm"
-        mnt.mkdir()
-        mount = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True
-        )
-        if mount.returncode != 0:
-            pytest.skip("needs a tmpfs of its own (mount, as root)")
-        try:
+        with small_tmpfs(tmp_path) as mnt:
             args = (str(mnt), "kv", str(6 * MiB))
             killed = run_child(RESTART_ON_A_SMALL_SHM, *args, "creator")
             assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
@@ -539,5 +539,3 @@ class TestForgedHeadersAndRestart:
             assert restarted.returncode == 0, restarted.stderr[-2000:]
             assert "RECLAIMED True" in restarted.stdout
             assert not (mnt / "kv").exists()
-        finally:
-            subprocess.run(["umount", str(mnt)], check=True)
