@@ -20,13 +20,15 @@ class Outcome:
     every waiter's frames, and one waiter's exception context does not carry over to the
     next."""
 
-    __slots__ = ("_context", "_error", "_event", "_traceback")
+    __slots__ = ("_cause", "_context", "_error", "_event", "_suppress", "_traceback")
 
     def __init__(self) -> None:
         self._event = anyio.Event()
         self._error: BaseException | None = None
         self._traceback: TracebackType | None = None
         self._context: BaseException | None = None
+        self._cause: BaseException | None = None
+        self._suppress = False
 
     def is_set(self) -> bool:
         return self._event.is_set()
@@ -43,6 +45,7 @@ class Outcome:
         if error is not None:
             self._traceback = error.__traceback__
             self._context = error.__context__
+            self._cause, self._suppress = error.__cause__, error.__suppress_context__
         self._event.set()
         return True
 
@@ -50,9 +53,11 @@ class Outcome:
         await self._event.wait()
         error = self._error
         if error is not None:
-            # A raise adds this call's frames to the error's traceback, and one inside an
-            # except block sets its __context__: start each raise from the settled ones.
-            error.__context__ = self._context
+            # A raise adds this call's frames to the error's traceback, one inside an
+            # except block sets its __context__, and a waiter's `raise ... from` its
+            # __cause__: start each raise from the settled ones.
+            error.__context__, error.__cause__ = self._context, self._cause
+            error.__suppress_context__ = self._suppress
             raise error.with_traceback(self._traceback)
 
     def __await__(self) -> Generator[Any, None, None]:

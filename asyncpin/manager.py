@@ -258,6 +258,9 @@ class OffloadManager:
         # The manager's background tasks (the pin pipeline, the engine's, transfers waiting
         # for a chunk): its own, not the entering task's, so any task can close it.
         self._tasks = OwnedTasks(self._log)
+        # The close order runs as a task of its own: a caller cancelled while it waits
+        # (asyncio's native cancel, Ctrl-C) stops waiting, never the close.
+        self._closer = OwnedTasks(self._log)
         self._pid: int | None = None  # the process that opened it
         self._t_enter: float | None = None
         self._seconds_to_enter: float | None = None
@@ -346,10 +349,14 @@ class OffloadManager:
                 gate=self._gate,
             )
             self._tasks.bind()
+            self._closer.bind()
             if self._layout is not None:
                 self._engine = self._make_engine(region)
                 # Off the event loop: compiling a copy kernel can take a second.
                 await anyio.to_thread.run_sync(self._engine.prepare)
+            if self._state is not ManagerState.NEW:
+                # Closed by another task while this one waited: it must not open now.
+                raise anyio.ClosedResourceError("the manager was closed while it was entered")
         except BaseException:  # a cancellation included
             if self._engine is not None:
                 self._engine.close()
@@ -490,10 +497,14 @@ class OffloadManager:
                 self._pinned.resolve(anyio.ClosedResourceError("the manager was never opened"))
                 self._closed_event.set()
                 return
-            if self._state is not ManagerState.OPEN:
-                await self._closed_event.wait()
-                return
-            self._state = ManagerState.CLOSING
+            if self._state is ManagerState.OPEN:
+                self._state = ManagerState.CLOSING
+                self._closer.start_soon(self._close_in_order)
+            await self._closed_event.wait()
+
+    async def _close_in_order(self) -> None:
+        """The close order, in a task of its own that no caller's cancellation reaches."""
+        with anyio.CancelScope(shield=True):
             t0 = time.perf_counter()
             scheduler, region = self._scheduler, self._region
             assert scheduler is not None and region is not None
@@ -535,8 +546,7 @@ class OffloadManager:
                     self._log.warning(
                         "region.kept_by_views",
                         nbytes=region.nbytes,
-                        action="unpinned; the range stays mapped until the last view of it "
-                        "is gone",
+                        action="unpinned; the range stays mapped until the last view of it is gone",
                     )
             finally:
                 await self._tasks.aclose()  # no task outlives the close (a no-op if done)

@@ -178,15 +178,17 @@ class PinScheduler:
                 if self.on_progress is not None:
                     self.on_progress()
                 if self._pin_interval_s > 0 and not self._stop.is_set():
-                    # The pause ends early when stop() is called, from whichever thread:
-                    # a close or a failure must not wait it out. Abandoned if cancelled,
-                    # the thread returns by itself at the latest when the pause is over.
-                    await anyio.to_thread.run_sync(
-                        self._stop.wait,
-                        self._pin_interval_s,
-                        abandon_on_cancel=True,
-                        limiter=limiter,
-                    )
+                    await self._pause(limiter)
+
+    async def _pause(self, limiter: anyio.CapacityLimiter) -> None:
+        """Wait ``pin_interval_s``, or less if stop() is called from whichever thread: a
+        close or a failure must not wait it out. The wait goes in slices of at most a
+        second, so that a thread abandoned with its event loop ends soon after."""
+        deadline = time.monotonic() + self._pin_interval_s
+        while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            await anyio.to_thread.run_sync(
+                self._stop.wait, min(left, 1.0), abandon_on_cancel=True, limiter=limiter
+            )
 
     # -- thread side ------------------------------------------------------------------
 

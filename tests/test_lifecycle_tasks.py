@@ -648,3 +648,96 @@ class TestFork:
                 assert fake.unpinned_spans() == []
                 await mgr.store([0], [0])
         assert_closed_cleanly(mgr, fake, address)
+
+
+class TestCloseRacesEntryAndCancellation:
+    """A close during entry keeps the manager closed; a closer cancelled while it waits
+    stops waiting, never the close; a waiter's `raise ... from` leaves the error intact."""
+
+    @BACKENDS
+    def test_close_while_the_engine_prepares(
+        self, anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        entered, go_on = threading.Event(), threading.Event()
+
+        def prepare(self: HostTransferEngine) -> None:
+            entered.set()
+            assert go_on.wait(THREAD_TIMEOUT_S)
+
+        monkeypatch.setattr(HostTransferEngine, "prepare", prepare)
+        run(self._close_while_the_engine_prepares, anyio_backend, entered, go_on)
+
+    async def _close_while_the_engine_prepares(
+        self, entered: threading.Event, go_on: threading.Event
+    ) -> None:
+        fake = FakeBackend()
+        mgr = make(fake)
+        failure: list[BaseException] = []
+
+        async def enter() -> None:
+            try:
+                await mgr.__aenter__()
+            except anyio.ClosedResourceError as exc:
+                failure.append(exc)
+
+        with anyio.fail_after(TIMEOUT_S):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(enter)
+                try:
+                    await wait_thread_event(entered)
+                    await mgr.aclose()
+                    assert mgr.state is ManagerState.CLOSED
+                finally:
+                    go_on.set()
+        assert len(failure) == 1 and "closed while it was entered" in str(failure[0])
+        assert mgr.state is ManagerState.CLOSED and not mgr.is_pinned()
+        assert fake.calls == []  # nothing pinned
+        with pytest.raises(anyio.ClosedResourceError):
+            mgr.store([0], [0])
+
+    def test_a_natively_cancelled_closer_leaves_the_close_running(self) -> None:
+        asyncio.run(self._natively_cancelled_closer())
+
+    async def _natively_cancelled_closer(self) -> None:
+        fake = FakeBackend(stall_pin_at=1)
+        mgr = make(fake)
+        await mgr.__aenter__()
+        address = mgr.host_blocks().data_ptr()
+        try:
+            assert await anyio.to_thread.run_sync(fake.stalled.wait, TIMEOUT_S)
+            closer = asyncio.create_task(mgr.aclose())
+            while mgr.state is not ManagerState.CLOSING:  # noqa: ASYNC110 - a state, no event
+                await asyncio.sleep(0)
+            closer.cancel()  # asyncio's own cancel, as asyncio.wait_for or Ctrl-C deliver it
+            with pytest.raises(asyncio.CancelledError):
+                await closer
+            still = mgr.state  # the close goes on
+            assert still is ManagerState.CLOSING
+        finally:
+            fake.release()
+        await asyncio.wait_for(mgr.aclose(), TIMEOUT_S)
+        assert mgr.stats().state == "closed"
+        assert sorted(fake.unpinned_spans()) == sorted(fake.pinned_spans()) != []
+        assert not is_mapped(address, mgr.nbytes)
+
+    @BACKENDS
+    def test_a_waiters_raise_from_leaves_the_cause(self, anyio_backend: str) -> None:
+        run(self._a_waiters_raise_from_leaves_the_cause, anyio_backend)
+
+    async def _a_waiters_raise_from_leaves_the_cause(self) -> None:
+        with anyio.fail_after(TIMEOUT_S):
+            async with make(FakeBackend(fail_pin_at=0)) as mgr:
+                with pytest.raises(PinError) as first:
+                    await mgr.pinned
+                cause = first.value.__cause__
+                assert cause is not None
+                with pytest.raises(RuntimeError):
+                    try:
+                        await mgr.pinned
+                    except PinError as exc:
+                        raise RuntimeError("seen") from exc.with_traceback(None)
+                first.value.__cause__ = None  # as `raise err from None` leaves it
+                first.value.__suppress_context__ = True
+                with pytest.raises(PinError) as again:
+                    await mgr.pinned
+                assert again.value.__cause__ is cause
