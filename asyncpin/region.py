@@ -143,6 +143,7 @@ class _Mapping:
 
 _LIVE: weakref.WeakSet[_Mapping] = weakref.WeakSet()
 _MAP_FIXED_NOREPLACE = 0x100000
+_MAP_NORESERVE = 0x4000
 
 
 def _cover_in_child() -> None:
@@ -156,7 +157,9 @@ def _cover_in_child() -> None:
             _sys.libc_mmap(
                 mapping.nbytes,
                 mmap.PROT_READ | mmap.PROT_WRITE,
-                mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE,
+                # No reservation: a placeholder as large as the region costs nothing
+                # until a stale view touches it.
+                mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED_NOREPLACE,
                 addr=mapping.address,
             )
         except OSError:
