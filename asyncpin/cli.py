@@ -22,6 +22,7 @@ the demo and the doctor print the same figures as plain text.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
@@ -42,6 +43,7 @@ import structlog
 from anyio import CancelScope
 
 from asyncpin import _sys
+from asyncpin._tasks import current_loop
 from asyncpin.backends import BACKEND_NAMES, PinBackend, resolve_backend
 from asyncpin.errors import AsyncpinError
 from asyncpin.manager import (
@@ -392,20 +394,14 @@ async def _set_when_readable(sock: socket.socket, event: anyio.Event) -> None:
 def _call_soon(fn: Callable[[], None]) -> Callable[[], None]:
     """A callable that schedules ``fn`` on the running event loop, safe to call from a
     signal handler (asyncio's ``call_soon_threadsafe``, trio's ``run_sync_soon``)."""
-    import asyncio
+    loop: Any = current_loop()  # asyncio's loop, or trio's token for this run
+    if isinstance(loop, asyncio.AbstractEventLoop):
 
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # not asyncio: trio, the other backend anyio runs on
-        import trio
+        def wake() -> None:
+            loop.call_soon_threadsafe(fn)
 
-        token = trio.lowlevel.current_trio_token()
-        return lambda: token.run_sync_soon(fn)
-
-    def wake() -> None:
-        loop.call_soon_threadsafe(fn)
-
-    return wake
+        return wake
+    return lambda: loop.run_sync_soon(fn)
 
 
 async def _watch_signals(guard: SignalGuard, work: CancelScope, report: _Report) -> None:
