@@ -8,35 +8,13 @@ that a machine with no GPU never initialises CUDA.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
-
 from asyncpin import _sys
+from asyncpin.abc import PinBackend
 from asyncpin.errors import BackendCallError, BackendUnavailableError, ConfigError, PreflightError
 
 __all__ = ["BACKEND_NAMES", "HostBackend", "PinBackend", "cuda_available", "resolve_backend"]
 
 BACKEND_NAMES = ("auto", "host", "cuda")
-
-
-@runtime_checkable
-class PinBackend(Protocol):
-    """What the pin scheduler needs from a platform. Calls come from worker threads."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def max_pin_bytes(self) -> int:
-        """The largest span one :meth:`pin` call may take; chunks are cut to fit."""
-        ...
-
-    def preflight(self, nbytes: int) -> None:
-        """Raise PreflightError if pinning ``nbytes`` more cannot succeed; map nothing."""
-        ...
-
-    def pin(self, address: int, nbytes: int) -> None: ...
-
-    def unpin(self, address: int, nbytes: int) -> None: ...
 
 
 class HostBackend:

@@ -128,7 +128,7 @@ def _cuda() -> CudaInfo:
     try:
         devices = tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
         from asyncpin.cuda import _cudart
-        from asyncpin.cuda_transfers import batch_copy_available
+        from asyncpin.engines.cuda import batch_copy_available
 
         lib = _cudart()
         if lib is None:

@@ -110,7 +110,27 @@ class PinError(AsyncpinError, RuntimeError):
 
 
 class TransferError(AsyncpinError, RuntimeError):
-    """A KV block transfer failed on the device, or its host blocks could not be pinned."""
+    """A KV block transfer failed on the device, or its host blocks could not be pinned.
+
+    ``direction`` (``store`` or ``load``) and ``method`` (``batch``, ``pack``...) say
+    which transfer; ``code`` and ``code_name`` carry the failing platform call's error
+    (a CUDA error number and name) when there was one. The original error is chained.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        direction: str | None = None,
+        method: str | None = None,
+        code: int | None = None,
+        code_name: str | None = None,
+    ) -> None:
+        self.direction = direction
+        self.method = method
+        self.code = code
+        self.code_name = code_name
+        super().__init__(message)
 
 
 class InvalidTransferError(TransferError, ValueError):

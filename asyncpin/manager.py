@@ -21,7 +21,9 @@ import torch
 
 from asyncpin import _sys
 from asyncpin._tasks import OwnedTasks, current_loop
+from asyncpin.abc import EngineSetup, TransferEngine
 from asyncpin.backends import PinBackend, resolve_backend
+from asyncpin.engines import make_engine
 from asyncpin.errors import (
     ConfigError,
     ForkedManagerError,
@@ -36,14 +38,12 @@ from asyncpin.kv import KVLayout
 from asyncpin.pinning import PinnedSignal, PinScheduler
 from asyncpin.region import Backing, HostRegion, HugePages, validate_nbytes
 from asyncpin.transfers import (
-    HostTransferEngine,
     Method,
     Transfer,
-    TransferEngine,
     TransferJob,
     block_ids,
     host_blocks_view,
-    settle_interrupted,
+    interrupted,
 )
 
 __all__ = [
@@ -684,15 +684,8 @@ class OffloadManager:
         layout = self._layout
         assert layout is not None
         self._host_blocks = host_blocks_view(region.view(), layout, self._num_host_blocks)
-        if layout.device.type == "cuda":
-            from asyncpin.cuda_transfers import CudaTransferEngine
-
-            return CudaTransferEngine(
-                layout, self._host_blocks, self._tasks.start_soon, chunk_bytes=self._chunk_bytes
-            )
-        if layout.device.type == "cpu":
-            return HostTransferEngine(layout, self._host_blocks, self._tasks.start_soon)
-        raise ConfigError(f"KV arrays on {layout.device} are not supported")
+        setup = EngineSetup(layout, self._host_blocks, self._chunk_bytes, self._tasks.start_soon)
+        return make_engine("auto", setup)
 
     def store(
         self,
@@ -755,7 +748,7 @@ class OffloadManager:
                 f"method {method!r} is not available here; use one of {engine.methods()}"
             )
         transfer = Transfer(direction, len(gpu), len(gpu) * layout.host_block_bytes)
-        job = TransferJob(transfer, gpu, cpu, method)
+        job = TransferJob(transfer, gpu, cpu, method, on_finish=_settle)
         self._track(transfer)
         needed = self._unpinned_chunks(cpu) if not scheduler.all_pinned() else []
         if not needed:
@@ -850,7 +843,7 @@ class OffloadManager:
         except TransferError:
             return  # reported through the handle
         except BaseException as exc:
-            settle_interrupted(job.transfer, exc)
+            job.finish(interrupted(exc))
             raise
 
     def __repr__(self) -> str:
@@ -859,3 +852,22 @@ class OffloadManager:
             f"<OffloadManager #{self._id} {s.state} backend={s.backend} "
             f"pinned={s.pinned_bytes}/{s.nbytes} chunks={s.chunks_pinned}/{s.chunks_total}>"
         )
+
+
+def _settle(job: TransferJob, error: BaseException | None) -> None:
+    """The engine's report, as the transfer's outcome: an error becomes a TransferError
+    naming the transfer (the cause chained), unless it is one already or the transfer was
+    interrupted by the close."""
+    transfer = job.transfer
+    if error is not None and not isinstance(error, TransferError | anyio.ClosedResourceError):
+        code = getattr(error, "code", None)
+        wrapped = TransferError(
+            f"{transfer.direction} failed ({transfer.method}, {transfer.path}): {error}",
+            direction=transfer.direction,
+            method=transfer.method,
+            code=code if isinstance(code, int) else None,
+            code_name=getattr(error, "code_name", None),
+        )
+        wrapped.__cause__ = error
+        error = wrapped
+    transfer._finish(error)

@@ -1,13 +1,5 @@
-"""KV block transfers between the engine's KV arrays and the pinned host region.
-
-A transfer is validated completely before anything is enqueued, then runs on the engine
-of the manager's backend:
-
-- ``HostTransferEngine`` (no GPU): the "device" arrays are CPU tensors; copies run in a
-  worker thread, one direction's in submission order. It exists so that every test of the
-  API runs without a GPU.
-- ``asyncpin.cuda_transfers.CudaTransferEngine``: dedicated store and load streams, copy
-  methods chosen per transfer, completion reported by one waiter thread per direction.
+"""The transfer's handle and job, and the checks of block ids: what the router and
+every engine (``asyncpin.engines``) share.
 
 The awaiting coroutine learns of completion through an ``anyio.Event`` set on the event
 loop; cancelling the awaiting task only stops the waiting: the copy, and every buffer it
@@ -17,30 +9,27 @@ touches, stays owned by the manager until the device work is done.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
 import torch
 
 from asyncpin._outcome import Outcome
-from asyncpin.errors import InvalidTransferError, TransferError
+from asyncpin.errors import InvalidTransferError
 from asyncpin.kv import KVLayout
 
 __all__ = [
     "Direction",
-    "HostTransferEngine",
     "Method",
     "Transfer",
-    "TransferEngine",
     "TransferJob",
     "block_ids",
     "copy_in_thread",
     "host_blocks_view",
-    "settle_interrupted",
+    "interrupted",
 ]
 
 Direction = Literal["store", "load"]
@@ -124,46 +113,35 @@ class TransferJob:
     # A pageable job on a shared region: gives its host blocks their memory first, in the
     # copy's worker thread (a full /dev/shm is then an error, not SIGBUS).
     reserve: Callable[[], None] | None = None
+    # Set by the router: turns the engine's raw error into the transfer's outcome.
+    on_finish: Callable[[TransferJob, BaseException | None], None] | None = None
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """The engine's one report of the job, on the event loop thread: the copy is over
+        (``error`` None) or failed with ``error``, as raised."""
+        self.keep.clear()
+        if self.on_finish is not None:
+            self.on_finish(self, error)
+        else:
+            self.transfer._finish(error)
 
 
-class TransferEngine(Protocol):
-    """Runs validated jobs. ``submit`` enqueues at once (from the event loop thread) and
-    arranges for ``job.transfer._finish`` to be called on the loop when the copy is done.
-    The copy waits for the work queued so far on the caller's current stream: at
-    ``submit`` time, or at ``record_ready()`` time for a job submitted later (``job.ready``)."""
-
-    name: str
-
-    def methods(self) -> tuple[str, ...]: ...
-
-    def submit(self, job: TransferJob, *, pageable: bool) -> None: ...
-
-    def record_ready(self) -> Any: ...
-
-    def prepare(self) -> None:
-        """Called once, in a worker thread, before the first transfer: allocate device
-        resources and compile kernels, so that none of it happens mid-serving."""
-
-    def close(self) -> None: ...
-
-
-def settle_interrupted(transfer: Transfer, exc: BaseException) -> None:
-    """Settle a transfer whose driving task was cancelled (the manager is closing) without
-    handing the cancellation itself to whoever awaits the transfer."""
+def interrupted(exc: BaseException) -> anyio.ClosedResourceError:
+    """The outcome of a transfer whose driving task was cancelled (the manager is
+    closing): never the cancellation itself, which belongs to that task."""
     error = anyio.ClosedResourceError("the transfer was interrupted: the manager is closing")
     error.__cause__ = exc
-    transfer._finish(error)
+    return error
 
 
 async def copy_in_thread(
     job: TransferJob,
     copy: Callable[[TransferJob], None],
-    failed: str,
     *,
     limiter: anyio.CapacityLimiter | None = None,
 ) -> None:
     """Run ``copy(job)`` in a worker thread, which returns once the copy is over, and
-    settle the transfer: done; failed (the error through the handle, never lost); or
+    finish the job: done; failed (the error through the handle, never lost); or
     interrupted, when the driving task is cancelled because the manager is closing."""
     def run() -> None:
         if job.reserve is not None:
@@ -173,16 +151,12 @@ async def copy_in_thread(
     try:
         await anyio.to_thread.run_sync(run, limiter=limiter)
     except Exception as exc:
-        error = TransferError(f"{job.transfer.direction} {failed}: {exc}")
-        error.__cause__ = exc
-        job.transfer._finish(error)
+        job.finish(exc)
     except BaseException as exc:
-        settle_interrupted(job.transfer, exc)
+        job.finish(interrupted(exc))
         raise
     else:
-        job.transfer._finish()
-    finally:
-        job.keep.clear()
+        job.finish()
 
 
 def host_blocks_view(
@@ -232,80 +206,3 @@ def block_ids(ids: Sequence[int] | torch.Tensor, what: str, limit: int) -> list[
             bad = lo if lo < 0 else hi
             raise InvalidTransferError(f"{what} holds {bad}, outside [0, {limit})")
     return values
-
-
-class HostTransferEngine:
-    """Copies between CPU tensors standing in for device KV and the host region, in a
-    worker thread (torch's copy kernels release the GIL).
-
-    Each direction has one FIFO, drained by one task at a time that copies its jobs one
-    after the other: jobs of one direction run in submission order (a later store to the
-    same host block wins, as on the CUDA engine's streams), while a store and a load run
-    at once. The draining task is started when a direction's FIFO gets a job and none is
-    running, and ends when the FIFO is empty, so nothing outlives the transfers."""
-
-    name = "host"
-
-    def __init__(self, layout: KVLayout, host_blocks: torch.Tensor, start_soon: Any) -> None:
-        self._layout = layout
-        self._host: torch.Tensor | None = host_blocks
-        self._start_soon = start_soon
-        # One worker thread per direction, apart from the application's default pool.
-        self._limiter = anyio.CapacityLimiter(2)
-        self._queues: dict[Direction, deque[TransferJob]] = {"store": deque(), "load": deque()}
-        self._draining: dict[Direction, bool] = {"store": False, "load": False}
-
-    def methods(self) -> tuple[str, ...]:
-        return ("host",)
-
-    def prepare(self) -> None:
-        """Nothing to prepare: copies are torch CPU ops."""
-
-    def record_ready(self) -> None:
-        return None
-
-    def submit(self, job: TransferJob, *, pageable: bool) -> None:
-        job.transfer.method = "host"
-        job.transfer.path = "pageable" if pageable else "pinned"
-        direction = job.transfer.direction
-        if not self._draining[direction]:
-            # If this raises, nothing was queued: the caller fails the transfer.
-            self._start_soon(self._drain, direction)
-            self._draining[direction] = True
-        self._queues[direction].append(job)
-
-    async def _drain(self, direction: Direction) -> None:
-        """Copy the direction's jobs one at a time, oldest first, until none is left.
-
-        A failed copy fails its own transfer only. Cancelled (the manager is closing): the
-        job being copied is settled by ``copy_in_thread`` once its copy is over, and the
-        jobs still queued, which never started, are settled as interrupted."""
-        queue = self._queues[direction]
-        try:
-            while queue:
-                job = queue.popleft()
-                await copy_in_thread(job, self._copy, "failed", limiter=self._limiter)
-        except BaseException as exc:
-            while queue:
-                job = queue.popleft()
-                job.keep.clear()
-                settle_interrupted(job.transfer, exc)
-            raise
-        finally:
-            self._draining[direction] = False
-
-    def _copy(self, job: TransferJob) -> None:
-        host = self._host
-        assert host is not None, "a copy after close"
-        gpu_ids = torch.tensor(job.gpu_ids, dtype=torch.int64)
-        cpu_ids = torch.tensor(job.cpu_ids, dtype=torch.int64)
-        for a, array in enumerate(self._layout.arrays):
-            if job.transfer.direction == "store":
-                host[cpu_ids, a] = array[gpu_ids]
-            else:
-                array[gpu_ids] = host[cpu_ids, a]
-
-    def close(self) -> None:
-        """Drop the view of the host blocks: only the application's views may keep the
-        region mapped past close."""
-        self._host = None

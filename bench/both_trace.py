@@ -36,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncpin import KVLayout, OffloadManager
-from asyncpin.cuda_transfers import CudaTransferEngine
+from asyncpin.engines.cuda import CudaTransferEngine
 from bench._gpu import require_gpu
 
 GB = 1e9

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncpin import KVLayout, OffloadManager
-from asyncpin.cuda_transfers import CudaTransferEngine
+from asyncpin.engines.cuda import CudaTransferEngine
 from bench._gpu import require_gpu
 
 GB = 1e9

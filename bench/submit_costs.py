@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncpin.cuda_transfers import _Runtime
+from asyncpin.engines.cuda import _Runtime
 from bench._gpu import require_gpu
 
 REPS = 2000
@@ -364,7 +364,7 @@ def dma_streams(repeats: int) -> dict[str, Any]:
 async def pack_variants(repeats: int) -> dict[str, Any]:
     """Both directions at once with pack at 32 KiB blocks (64 arrays, random ids),
     varying the gather kernel's CTAs and the staging size."""
-    import asyncpin.cuda_transfers as ct
+    import asyncpin.engines.cuda as ct
     from asyncpin import KVLayout, OffloadManager
 
     dev = torch.device("cuda", 0)

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncpin import KVLayout, OffloadManager
-from asyncpin.cuda_transfers import CudaTransferEngine, _MemcpyAttributes, _MemLocation, _Runtime
+from asyncpin.engines.cuda import CudaTransferEngine, _MemcpyAttributes, _MemLocation, _Runtime
 from asyncpin.transfers import Direction, Method
 from bench._gpu import require_gpu
 

@@ -22,8 +22,9 @@ import torch
 from structlog.testing import capture_logs
 
 from asyncpin import KVLayout, Transfer
-from asyncpin import cuda_transfers as ct
-from asyncpin.cuda_transfers import KERNEL_WORD, CudaTransferEngine, kernel_misalignment
+from asyncpin.abc import EngineSetup
+from asyncpin.engines import cuda as ct
+from asyncpin.engines.cuda import KERNEL_WORD, CudaTransferEngine, kernel_misalignment
 from asyncpin.transfers import TransferJob
 
 PAGE = 4096
@@ -139,7 +140,7 @@ async def _engine(
     monkeypatch.setattr(ct, "_load_kernel", lambda: object())
     host = torch.zeros(HOST_BLOCKS, layout.num_arrays, *layout.block_shape, dtype=layout.dtype)
     assert host.data_ptr() % 16 == 0  # as the region is (page-aligned)
-    engine = CudaTransferEngine(layout, host, lambda *a: None, chunk_bytes=1 << 30)
+    engine = CudaTransferEngine(EngineSetup(layout, host, 1 << 30, lambda *a: None))
     try:
         lanes: dict[Any, Any] = {d: SimpleNamespace(staging=object()) for d in ("store", "load")}
         engine._lanes = lanes

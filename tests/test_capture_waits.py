@@ -21,7 +21,7 @@ from structlog.testing import capture_logs
 
 import asyncpin.gate
 from asyncpin import capture_gate
-from asyncpin.cuda_transfers import CudaTransferEngine, _Waiter
+from asyncpin.engines.cuda import CudaTransferEngine, _Waiter
 from asyncpin.transfers import Transfer, TransferJob
 
 TIMEOUT_S = 10.0

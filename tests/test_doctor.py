@@ -320,7 +320,7 @@ class TestReaders:
         import torch
 
         import asyncpin.cuda
-        import asyncpin.cuda_transfers
+        import asyncpin.engines.cuda
 
         class FakeCudart:
             @staticmethod
@@ -338,7 +338,7 @@ class TestReaders:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"GPU {i}")
         monkeypatch.setattr(torch.version, "cuda", "12.8")
         monkeypatch.setattr(asyncpin.cuda, "_cudart", lambda: FakeCudart())
-        monkeypatch.setattr(asyncpin.cuda_transfers, "batch_copy_available", lambda: True)
+        monkeypatch.setattr(asyncpin.engines.cuda, "batch_copy_available", lambda: True)
         assert doctor._cuda() == CudaInfo("12.8", True, ("GPU 0", "GPU 1"), 12080, 13000, True)
         monkeypatch.setattr(asyncpin.cuda, "_cudart", lambda: None)
         assert doctor._cuda().error == "libcudart is linked statically"

@@ -43,10 +43,11 @@ from asyncpin import (
     capture_gate,
 )
 from asyncpin._tasks import OwnedTasks
+from asyncpin.engines.host import HostTransferEngine
 from asyncpin.errors import ConfigError, ForkedManagerError, LifecycleError
 from asyncpin.manager import MAX_THREADS
 from asyncpin.testing import FakeBackend, is_mapped
-from asyncpin.transfers import HostTransferEngine, TransferJob
+from asyncpin.transfers import TransferJob
 from tests.helpers import THREAD_TIMEOUT_S, releasing, wait_child, wait_thread_event
 
 BACKENDS = pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])

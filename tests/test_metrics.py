@@ -17,9 +17,10 @@ from prometheus_client.samples import Sample
 from structlog.testing import capture_logs
 
 from asyncpin import KVLayout, OffloadManager, PinError, Transfer, TransferError
+from asyncpin.engines.host import HostTransferEngine
 from asyncpin.metrics import DEFAULT_LATENCY_BUCKETS, OffloadCollector
 from asyncpin.testing import FakeBackend
-from asyncpin.transfers import HostTransferEngine, TransferJob
+from asyncpin.transfers import TransferJob
 
 CHUNK = 64 << 10
 NCHUNKS = 8

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from asyncpin.cuda_transfers import CudaTransferEngine
+from asyncpin.engines.cuda import CudaTransferEngine
 
 BASE, STAGING = 1 << 40, 1 << 44
 

@@ -35,10 +35,12 @@ import pytest
 import sniffio
 import torch
 
-import asyncpin.transfers
+import asyncpin.engines.host
 from asyncpin import KVLayout, OffloadManager, Transfer, TransferError
+from asyncpin.abc import EngineSetup
+from asyncpin.engines.host import HostTransferEngine
 from asyncpin.testing import FakeBackend
-from asyncpin.transfers import HostTransferEngine, TransferJob, copy_in_thread
+from asyncpin.transfers import TransferJob, copy_in_thread
 from tests.helpers import wait_thread_event
 
 Direction = Literal["store", "load"]
@@ -102,15 +104,14 @@ class HostHold:
         async def logged(
             job: TransferJob,
             copy: Callable[[TransferJob], None],
-            failed: str,
             *,
             limiter: anyio.CapacityLimiter | None = None,
         ) -> None:
             self.dispatched.append(job)
-            await copy_in_thread(job, copy, failed, limiter=limiter)
+            await copy_in_thread(job, copy, limiter=limiter)
 
         monkeypatch.setattr(HostTransferEngine, "_copy", copy)
-        monkeypatch.setattr(asyncpin.transfers, "copy_in_thread", logged)
+        monkeypatch.setattr(asyncpin.engines.host, "copy_in_thread", logged)
 
     async def first_copy_started(self) -> None:
         await wait_thread_event(self._entered)
@@ -464,7 +465,7 @@ class TestHostEngineQueues:
             jobs = [TransferJob(Transfer("store", 1, 16), [g], [0], "auto") for g in (1, 2, 3)]
             with anyio.fail_after(TIMEOUT_S):
                 async with anyio.create_task_group() as tg:
-                    engine = HostTransferEngine(layout, host, tg.start_soon)
+                    engine = HostTransferEngine(EngineSetup(layout, host, 1 << 30, tg.start_soon))
                     try:
                         engine.submit(jobs[0], pageable=False)
                         await hold.first_copy_started()

@@ -40,9 +40,10 @@ from asyncpin import (
     TransferError,
     _sys,
 )
+from asyncpin.engines.host import HostTransferEngine
 from asyncpin.region import HostRegion
 from asyncpin.testing import FakeBackend, is_mapped
-from asyncpin.transfers import HostTransferEngine, TransferJob
+from asyncpin.transfers import TransferJob
 from tests.helpers import releasing, wait_thread_event
 
 TIMEOUT_S = 30.0

@@ -63,10 +63,10 @@ import anyio.lowlevel
 import structlog
 import torch
 
+from asyncpin.abc import EngineSetup
 from asyncpin.cuda import _cudart
 from asyncpin.errors import BackendUnavailableError, TransferError
 from asyncpin.gate import outside_captures, unless_capturing
-from asyncpin.kv import KVLayout
 from asyncpin.transfers import Direction, TransferJob, copy_in_thread
 
 __all__ = ["KERNEL_WORD", "CudaTransferEngine", "batch_copy_available", "kernel_misalignment"]
@@ -452,9 +452,9 @@ class CudaTransferEngine:
     # Large stores go to the submitter thread (False: every store is queued by the caller).
     thread_stores = True
 
-    def __init__(
-        self, layout: KVLayout, host_blocks: torch.Tensor, start_soon: Any, *, chunk_bytes: int
-    ) -> None:
+    def __init__(self, setup: EngineSetup) -> None:
+        layout, host_blocks, chunk_bytes = setup.layout, setup.host_blocks, setup.chunk_bytes
+        start_soon = setup.start_soon
         self._layout = layout
         self._chunk_bytes = chunk_bytes
         self._device = layout.device
@@ -595,15 +595,13 @@ class CudaTransferEngine:
         job.transfer.method = method
         job.transfer.path = "pageable" if pageable else "pinned"
         if job.transfer.num_blocks == 0:
-            job.transfer._finish()
+            job.finish()
             return
         if pageable:
             # Copies from pageable memory make the host wait: off the event loop.
             if job.ready is None:
                 job.ready = self.record_ready()
-            self._start_soon(
-                copy_in_thread, job, self._copy_pageable, "from pageable memory failed"
-            )
+            self._start_soon(copy_in_thread, job, self._copy_pageable)
             return
         self._watch(job)
         if job.transfer.direction == "store" and (
@@ -779,12 +777,7 @@ class CudaTransferEngine:
 
     @staticmethod
     def _finish(job: TransferJob, error: BaseException | None) -> None:
-        if error is not None and not isinstance(error, TransferError):
-            wrapped = TransferError(f"{job.transfer.direction} failed on the device: {error}")
-            wrapped.__cause__ = error
-            error = wrapped
-        job.transfer._finish(error)
-        job.keep.clear()
+        job.finish(error)
 
     # -- pageable jobs, in a worker thread ------------------------------------------------
 

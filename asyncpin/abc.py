@@ -1,0 +1,125 @@
+"""The two seams of asyncpin, with their contracts: a pin backend (how host memory is
+page-locked) and a transfer engine (how KV blocks move). ``asyncpin.testing`` has a
+fake of each and the conformance checks ``check_pin_backend`` and
+``check_transfer_engine`` that the real ones pass; a new backend or engine passes them
+too before a manager uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from asyncpin.kv import KVLayout
+    from asyncpin.transfers import TransferJob
+
+__all__ = ["EngineFactory", "EngineSetup", "PinBackend", "TransferEngine"]
+
+
+@runtime_checkable
+class PinBackend(Protocol):
+    """Page-locks and releases spans of the host region, one chunk per call.
+
+    Contract:
+
+    - ``pin`` and ``unpin`` are called from worker threads, never from the event loop,
+      and may block for as long as the platform takes. At most ``pin_threads`` calls run
+      at once, and none while the manager's pause gate is held.
+    - ``pin(address, nbytes)`` takes a page-aligned span of at most ``max_pin_bytes``
+      inside the region, never one already pinned. It returns once the span is pinned,
+      or raises :class:`~asyncpin.errors.BackendCallError` (with ``code`` and
+      ``code_name``) having pinned nothing of it.
+    - ``unpin(address, nbytes)`` is called once for each span whose ``pin`` returned,
+      with the same arguments, while the span is still mapped, and after every transfer
+      that touches it has finished. If it raises, the span stays mapped for the rest of
+      the process (it is never freed under the device).
+    - ``preflight(nbytes)`` is called on the event loop before anything is mapped; it
+      must be quick and raise :class:`~asyncpin.errors.PreflightError` if pinning
+      ``nbytes`` more cannot succeed.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def max_pin_bytes(self) -> int:
+        """The largest span one :meth:`pin` call may take; chunks are cut to fit."""
+        ...
+
+    def preflight(self, nbytes: int) -> None: ...
+
+    def pin(self, address: int, nbytes: int) -> None: ...
+
+    def unpin(self, address: int, nbytes: int) -> None: ...
+
+
+@dataclass(frozen=True, eq=False)
+class EngineSetup:
+    """What a transfer engine is made from, when the manager opens."""
+
+    #: The device-side KV arrays.
+    layout: KVLayout
+    #: ``[num_host_blocks, num_arrays, *block_shape]`` over the host region (block-major).
+    host_blocks: torch.Tensor
+    #: The region is registered in spans of this many bytes, from its start: one DMA
+    #: must not cross a span boundary.
+    chunk_bytes: int
+    #: Starts ``fn(*args)`` as a task of the manager (asyncio task or trio system task)
+    #: on the event loop; the manager cancels what is left of them at close, after every
+    #: submitted job has finished. Call it from the event loop thread only.
+    start_soon: Callable[..., object]
+
+
+@runtime_checkable
+class TransferEngine(Protocol):
+    """Runs validated transfer jobs between the KV arrays and the host blocks.
+
+    Contract:
+
+    - Made on the event loop from an :class:`EngineSetup`; then ``prepare()`` is called
+      once, in a worker thread, before any other call: it allocates device resources and
+      compiles kernels, so that nothing of it happens mid-serving.
+    - ``submit(job, pageable=...)`` is called on the event loop thread and never blocks
+      it. It either raises, having queued nothing (the job is then not the engine's),
+      or takes the job: it sets ``job.transfer.method`` and ``job.transfer.path``
+      before returning, and calls ``job.finish(error)`` exactly once, on the event loop
+      thread, when the copy is over: no device work of it is queued any more and no
+      buffer it touches is used again. ``error`` is None on success, or the exception as
+      raised (the router turns it into a :class:`~asyncpin.errors.TransferError`).
+    - The copy waits for the work queued on the caller's current stream at ``submit``
+      (or, when ``job.ready`` is set, at the ``record_ready()`` call that made it).
+      Pinned jobs of one direction (``store``, ``load``) complete in submission order,
+      and a later job to the same block wins; a store and a load may overlap.
+    - ``pageable=True``: some host block of the job is not pinned yet; the engine copies
+      through pageable memory (the host may wait) and calls ``job.reserve()`` first when
+      it is set.
+    - ``close()`` is called once, in a worker thread, after every job it took has
+      finished and the manager's tasks have ended; it releases threads, streams and
+      device memory and drops its views of the host blocks. Nothing is called after.
+    """
+
+    name: str
+
+    def methods(self) -> tuple[str, ...]:
+        """The methods a transfer may ask for by name (besides ``auto``)."""
+        ...
+
+    def prepare(self) -> None: ...
+
+    def record_ready(self) -> Any:
+        """A marker of the work queued so far on the caller's current stream (None where
+        there are no streams), for a job submitted later (``job.ready``)."""
+        ...
+
+    def submit(self, job: TransferJob, *, pageable: bool) -> None: ...
+
+    def close(self) -> None: ...
+
+
+#: ``engine=`` of a manager: a callable that makes an engine from its setup (an engine
+#: class is one).
+EngineFactory = Callable[[EngineSetup], TransferEngine]
