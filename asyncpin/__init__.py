@@ -1,6 +1,8 @@
 """asyncpin: a pinned host-memory tier for LLM KV caches, embedded in async servers."""
 
+from asyncpin._config import DEFAULT_CHUNK_BYTES
 from asyncpin.backends import HostBackend, PinBackend
+from asyncpin.chunks import ChunkState
 from asyncpin.errors import (
     AsyncpinError,
     BackendCallError,
@@ -16,8 +18,7 @@ from asyncpin.errors import (
 )
 from asyncpin.gate import capture_gate, install_capture_gate
 from asyncpin.kv import KVLayout
-from asyncpin.manager import DEFAULT_CHUNK_BYTES, ManagerState, ManagerStats, OffloadManager
-from asyncpin.pinning import ChunkState
+from asyncpin.manager import ManagerState, ManagerStats, OffloadManager
 from asyncpin.transfers import Transfer
 
 __all__ = [

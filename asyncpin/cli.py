@@ -43,15 +43,11 @@ import structlog
 from anyio import CancelScope
 
 from asyncpin import _sys
+from asyncpin._config import DEFAULT_CHUNK_BYTES, default_prefault_threads
 from asyncpin._tasks import current_loop
 from asyncpin.backends import BACKEND_NAMES, PinBackend, resolve_backend
 from asyncpin.errors import AsyncpinError
-from asyncpin.manager import (
-    DEFAULT_CHUNK_BYTES,
-    ManagerStats,
-    OffloadManager,
-    default_prefault_threads,
-)
+from asyncpin.manager import ManagerStats, OffloadManager
 
 __all__ = [
     "DEFAULT_MAX_BYTES",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import math
 import os
 import threading
 import time
@@ -20,57 +19,31 @@ import structlog
 import torch
 
 from asyncpin import _sys
+from asyncpin._config import (
+    DEFAULT_CHUNK_BYTES,
+    ManagerConfig,
+    UnpinnedPolicy,
+    check_num_host_blocks,
+)
+from asyncpin._router import TransferCounts, TransferRouter
 from asyncpin._tasks import OwnedTasks, current_loop
-from asyncpin.abc import EngineSetup, TransferEngine
-from asyncpin.backends import PinBackend, resolve_backend
+from asyncpin.abc import EngineFactory, EngineSetup, PinBackend, TransferEngine
+from asyncpin.backends import resolve_backend
 from asyncpin.engines import make_engine
 from asyncpin.errors import (
     ConfigError,
     ForkedManagerError,
-    InvalidTransferError,
     LifecycleError,
     PinError,
     PreflightError,
-    TransferError,
 )
 from asyncpin.gate import PausedContext, PauseGate, held_here
 from asyncpin.kv import KVLayout
 from asyncpin.pinning import PinnedSignal, PinScheduler
-from asyncpin.region import Backing, HostRegion, HugePages, validate_nbytes
-from asyncpin.transfers import (
-    Method,
-    Transfer,
-    TransferJob,
-    block_ids,
-    host_blocks_view,
-    interrupted,
-)
+from asyncpin.region import Backing, HostRegion, HugePages
+from asyncpin.transfers import Method, Transfer, host_blocks_view
 
-__all__ = [
-    "DEFAULT_CHUNK_BYTES",
-    "MAX_THREADS",
-    "ManagerState",
-    "ManagerStats",
-    "OffloadManager",
-    "default_prefault_threads",
-]
-
-# Measured on the H200 (bench/RESULTS.md): 16 MiB chunks keep each cudaHostRegister short
-# enough that a concurrent 24 ms GPU step stretches by ~15% at most, at full pinning speed;
-# 256 MiB chunks stretched it 2.6x.
-DEFAULT_CHUNK_BYTES = 16 << 20
-
-# Bound on prefault_threads and pin_threads: each is an OS thread, and page faulting
-# stops scaling long before this (and the defaults stay at 8 and 1).
-MAX_THREADS = 64
-
-
-def default_prefault_threads() -> int:
-    """Up to 8 fault threads, always leaving one core to the event loop: on a 2-core VM,
-    2 threads faulting cold huge pages stalled the loop for ~0.5 s (bench/RESULTS.md)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(8, (cores or 1) - 1))
-
+__all__ = ["ManagerState", "ManagerStats", "OffloadManager"]
 
 _ids = itertools.count(1)
 
@@ -153,99 +126,36 @@ class OffloadManager:
         logger: Any = None,
         kv_layout: KVLayout | None = None,
         num_host_blocks: int | None = None,
-        unpinned_policy: Literal["wait", "pageable"] = "wait",
+        unpinned_policy: UnpinnedPolicy = "wait",
+        engine: str | EngineFactory = "auto",
         _attach: bool = False,
     ) -> None:
-        self._nbytes = 0 if _attach else validate_nbytes(nbytes)
-        if backing not in ("anonymous", "shared"):
-            raise ConfigError(f"unknown backing {backing!r}: use 'anonymous' or 'shared'")
-        if hugepages not in ("thp", "hugetlb", "none"):
-            raise ConfigError(
-                f"unknown hugepages policy {hugepages!r}: use 'thp', 'hugetlb' or 'none'"
-            )
-        if hugepages == "hugetlb" and isinstance(chunk_bytes, int) and chunk_bytes % (2 << 20):
-            raise ConfigError(
-                f"chunk_bytes={chunk_bytes} must be a multiple of 2 MiB with hugepages='hugetlb' "
-                "(huge pages cannot be split between chunks)"
-            )
-        if (
-            isinstance(chunk_bytes, bool)
-            or not isinstance(chunk_bytes, int)
-            or chunk_bytes <= 0
-            or chunk_bytes % _sys.PAGE_SIZE
-        ):
-            raise ConfigError(
-                f"chunk_bytes={chunk_bytes!r} must be a positive multiple of the page size "
-                f"({_sys.PAGE_SIZE})"
-            )
-        if prefault_threads is None:
-            prefault_threads = default_prefault_threads()
-        for knob, value in (("prefault_threads", prefault_threads), ("pin_threads", pin_threads)):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or not 1 <= value <= MAX_THREADS
-            ):
-                raise ConfigError(
-                    f"{knob} must be an int >= 1 and <= {MAX_THREADS} (each is a thread), "
-                    f"got {value!r}"
-                )
-        if (
-            isinstance(pin_interval_s, bool)
-            or not isinstance(pin_interval_s, int | float)
-            or not 0 <= pin_interval_s < math.inf
-        ):
-            raise ConfigError(
-                f"pin_interval_s must be a finite number >= 0, got {pin_interval_s!r}"
-            )
-        if (kv_layout is None) != (num_host_blocks is None):
-            raise ConfigError("kv_layout and num_host_blocks go together")
-        if kv_layout is not None:
-            if not isinstance(kv_layout, KVLayout):
-                raise ConfigError("kv_layout must be a KVLayout (KVLayout.from_tensors(...))")
-            if (
-                isinstance(num_host_blocks, bool)
-                or not isinstance(num_host_blocks, int)
-                or num_host_blocks < 1
-            ):
-                raise ConfigError(f"num_host_blocks must be an int >= 1, got {num_host_blocks!r}")
-            # An attacher learns the region's size at __aenter__ and checks it there.
-            if not _attach and self._nbytes < num_host_blocks * kv_layout.host_block_bytes:
-                raise ConfigError(
-                    f"{num_host_blocks} host blocks of {kv_layout.host_block_bytes} bytes do not "
-                    f"fit in nbytes={nbytes}; use OffloadManager.for_kv(layout, num_host_blocks)"
-                )
-        if unpinned_policy not in ("wait", "pageable"):
-            raise ConfigError(
-                f"unpinned_policy must be 'wait' or 'pageable', not {unpinned_policy!r}"
-            )
-        self._layout = kv_layout
-        self._num_host_blocks = num_host_blocks or 0
-        self._unpinned_policy = unpinned_policy
-        self._engine: TransferEngine | None = None
-        self._loop_thread: int | None = None  # the thread that entered: store/load only there
-        self._host_blocks: torch.Tensor | None = None
-        self._inflight: set[Transfer] = set()
-        self._observers: list[Callable[[Transfer], None]] = []
-        self._idle = anyio.Event()
-        self._idle.set()
-        self._progress = anyio.Event()
-        self._counts = dict.fromkeys(
-            ("stored", "loaded", "bytes_stored", "bytes_loaded", "waited", "pageable", "failed"),
-            0,
+        self._config = config = ManagerConfig.validated(
+            nbytes,
+            backing=backing,
+            name=name,
+            chunk_bytes=chunk_bytes,
+            prefault_threads=prefault_threads,
+            pin_threads=pin_threads,
+            pin_interval_s=pin_interval_s,
+            hugepages=hugepages,
+            kv_layout=kv_layout,
+            num_host_blocks=num_host_blocks,
+            unpinned_policy=unpinned_policy,
+            engine=engine,
+            attach=_attach,
         )
+        self._nbytes = config.nbytes
         self._backend = resolve_backend(backend, device)
         # Never ask one backend call for more than the platform takes in one go.
         self._chunk_bytes = min(
-            chunk_bytes, self._backend.max_pin_bytes // _sys.PAGE_SIZE * _sys.PAGE_SIZE
+            config.chunk_bytes, self._backend.max_pin_bytes // _sys.PAGE_SIZE * _sys.PAGE_SIZE
         )
-        self._backing: Backing = backing
-        self._name = name
-        self._attach = _attach
-        self._hugepages: HugePages = hugepages
-        self._prefault_threads = prefault_threads
-        self._pin_threads = pin_threads
-        self._pin_interval_s = pin_interval_s
+        self._engine: TransferEngine | None = None
+        self._router: TransferRouter | None = None
+        self._loop_thread: int | None = None  # the thread that entered: store/load only there
+        self._host_blocks: torch.Tensor | None = None
+        self._observers: list[Callable[[Transfer], None]] = []
         self._id = next(_ids)
         base = logger if logger is not None else structlog.get_logger("asyncpin")
         self._log = base.bind(manager=self._id, backend=self._backend.name)
@@ -262,9 +172,7 @@ class OffloadManager:
         # (asyncio's native cancel, Ctrl-C) stops waiting, never the close.
         self._closer = OwnedTasks(self._log)
         self._pid: int | None = None  # the process that opened it
-        self._t_enter: float | None = None
         self._seconds_to_enter: float | None = None
-        self._seconds_to_pinned: float | None = None
         self._hugepage_bytes: int | None = None
         self._close_seconds: float | None = None
         self._leaked = 0
@@ -272,12 +180,7 @@ class OffloadManager:
     @classmethod
     def for_kv(cls, layout: KVLayout, num_host_blocks: int, **kwargs: Any) -> OffloadManager:
         """A manager whose region holds ``num_host_blocks`` host blocks of ``layout``."""
-        if (
-            isinstance(num_host_blocks, bool)
-            or not isinstance(num_host_blocks, int)
-            or num_host_blocks < 1
-        ):
-            raise ConfigError(f"num_host_blocks must be an int >= 1, got {num_host_blocks!r}")
+        check_num_host_blocks(num_host_blocks)
         if layout.device.type == "cuda":
             # Pinned for the GPU the blocks move to, whichever device is current.
             kwargs.setdefault("device", layout.device.index)
@@ -304,54 +207,36 @@ class OffloadManager:
         if self._state is not ManagerState.NEW:
             raise RuntimeError("an OffloadManager can be entered only once")
         t0 = time.perf_counter()
-        self._t_enter = t0
-        if self._attach:
-            assert self._name is not None
-            region = HostRegion.attach(
-                self._name,
-                hugepages=self._hugepages,
-                preflight=self._backend.preflight,
-                layout=self._layout_description(),
-            )
-        else:
-            self._preflight()
-            region = HostRegion.create(
-                self._nbytes,
-                backing=self._backing,
-                name=self._name,
-                hugepages=self._hugepages,
-                layout=self._layout_description(),
-            )
-            if region.reclaimed_stale:
-                self._log.warning(
-                    "region.reclaimed_stale",
-                    region_name=region.name,
-                    reason="its creator was gone; the new region replaces it",
-                )
+        config = self._config
+        region = self._map_region()
         try:
             self._nbytes = region.nbytes
-            if self._layout is not None:
-                needed = self._num_host_blocks * self._layout.host_block_bytes
+            layout = config.kv_layout
+            if layout is not None:
+                needed = config.num_host_blocks * layout.host_block_bytes
                 if region.nbytes < needed:
                     raise ConfigError(
-                        f"shared region {self._name!r} holds {region.nbytes} bytes: too small "
-                        f"for {self._num_host_blocks} host blocks of "
-                        f"{self._layout.host_block_bytes} bytes ({needed} bytes)"
+                        f"shared region {config.name!r} holds {region.nbytes} bytes: too small "
+                        f"for {config.num_host_blocks} host blocks of "
+                        f"{layout.host_block_bytes} bytes ({needed} bytes)"
                     )
             chunks = region.chunks(self._chunk_bytes)
             self._scheduler = PinScheduler(
                 region,
                 self._backend,
                 chunks,
-                prefault_threads=self._prefault_threads,
-                pin_threads=self._pin_threads,
-                pin_interval_s=self._pin_interval_s,
+                prefault_threads=config.prefault_threads,
+                pin_threads=config.pin_threads,
+                pin_interval_s=config.pin_interval_s,
                 gate=self._gate,
+                pinned=self._pinned,
+                log=self._log,
+                started_at=t0,
             )
             self._tasks.bind()
             self._closer.bind()
-            if self._layout is not None:
-                self._engine = self._make_engine(region)
+            if layout is not None:
+                self._engine = self._open_engine(region, layout)
                 # Off the event loop: compiling a copy kernel can take a second.
                 await anyio.to_thread.run_sync(self._engine.prepare)
             if self._state is not ManagerState.NEW:
@@ -361,11 +246,11 @@ class OffloadManager:
             if self._engine is not None:
                 self._engine.close()
                 self._engine = None
+            self._router = None
             self._host_blocks = None  # the manager's own view: it must not hold the range
             region.release()
             raise
         self._region = region
-        self._scheduler.on_progress = self._on_pin_progress
         self._state = ManagerState.OPEN
         self._loop_thread = threading.get_ident()
         self._pid = os.getpid()
@@ -392,25 +277,57 @@ class OffloadManager:
         await self.aclose()
         return None
 
-    def _layout_description(self) -> dict[str, Any] | None:
-        """What the bytes of a shared region mean, recorded in its header and checked by
-        an attacher."""
-        layout = self._layout
-        if layout is None:
-            return None
-        return {
-            "num_arrays": layout.num_arrays,
-            "block_shape": list(layout.block_shape),
-            "dtype": str(layout.dtype),
-            "host_block_bytes": layout.host_block_bytes,
-            "num_host_blocks": self._num_host_blocks,
-        }
+    def _map_region(self) -> HostRegion:
+        config = self._config
+        if config.attach:
+            assert config.name is not None
+            return HostRegion.attach(
+                config.name,
+                hugepages=config.hugepages,
+                preflight=self._backend.preflight,
+                layout=config.layout_description(),
+            )
+        self._preflight()
+        region = HostRegion.create(
+            config.nbytes,
+            backing=config.backing,
+            name=config.name,
+            hugepages=config.hugepages,
+            layout=config.layout_description(),
+        )
+        if region.reclaimed_stale:
+            self._log.warning(
+                "region.reclaimed_stale",
+                region_name=region.name,
+                reason="its creator was gone; the new region replaces it",
+            )
+        return region
+
+    def _open_engine(self, region: HostRegion, layout: KVLayout) -> TransferEngine:
+        """The engine and the router in front of it, over the region's host blocks."""
+        config = self._config
+        self._host_blocks = host_blocks_view(region.view(), layout, config.num_host_blocks)
+        setup = EngineSetup(layout, self._host_blocks, self._chunk_bytes, self._tasks.start_soon)
+        engine = make_engine(config.engine, setup)
+        assert self._scheduler is not None
+        self._router = TransferRouter(
+            layout=layout,
+            num_host_blocks=config.num_host_blocks,
+            engine=engine,
+            table=self._scheduler.table,
+            region=region,
+            policy=config.unpinned_policy,
+            start_soon=self._tasks.start_soon,
+            observers=self._observers,
+            log=self._log,
+        )
+        return engine
 
     def _preflight(self) -> None:
         available = _sys.mem_available_bytes()
         # A hugetlb region comes from the reserved pool, which MemAvailable leaves out;
         # the pool itself is checked when the region is mapped.
-        if self._hugepages != "hugetlb" and self._nbytes > available:
+        if self._config.hugepages != "hugetlb" and self._nbytes > available:
             raise PreflightError(
                 "memory",
                 self._nbytes,
@@ -424,33 +341,7 @@ class OffloadManager:
         scheduler = self._scheduler
         assert scheduler is not None
         self._log.info("pin.started", chunks=len(scheduler.chunks), chunk_bytes=self._chunk_bytes)
-        try:
-            await scheduler.run()
-        finally:
-            self._settle_pinning(scheduler)
-
-    def _settle_pinning(self, scheduler: PinScheduler) -> None:
-        if scheduler.error is not None:
-            error = scheduler.error
-            self._log.error(
-                "pin.failed",
-                chunk=error.chunk_index,
-                offset=error.offset,
-                nbytes=error.nbytes,
-                code=error.code,
-                code_name=error.code_name,
-                reason=error.reason,
-            )
-            self._pinned.resolve(error)
-        elif scheduler.all_pinned():
-            assert self._t_enter is not None and scheduler.finished_at is not None
-            self._seconds_to_pinned = scheduler.finished_at - self._t_enter
-            self._log.info(
-                "pin.complete", seconds=self._seconds_to_pinned, gib_per_s=self._gib_per_s()
-            )
-            self._pinned.resolve()
-        else:
-            self._log.info("pin.stopped", pinned_bytes=scheduler.pinned_bytes, nbytes=self._nbytes)
+        await scheduler.run()  # it settles `pinned`, but for a close
 
     def _forked(self) -> bool:
         """Whether this process is a fork of the one that opened the manager."""
@@ -512,7 +403,8 @@ class OffloadManager:
             self._log.info("manager.closing", pinned_bytes=scheduler.pinned_bytes)
             try:
                 await scheduler.done.wait()
-                await self._idle.wait()  # in-flight transfers' device work
+                if self._router is not None:
+                    await self._router.drained()  # in-flight transfers' device work
                 # What is left of the manager's tasks (a sweep between periods, a copy
                 # task settling its transfer) ends before the engine closes.
                 await self._tasks.aclose()
@@ -593,7 +485,7 @@ class OffloadManager:
 
     @property
     def region_name(self) -> str | None:
-        return self._region.name if self._region is not None else self._name
+        return self._region.name if self._region is not None else self._config.name
 
     def pinning_paused(self) -> PausedContext:
         """Hold pin and unpin calls: ``with`` from any thread, or ``async with``.
@@ -625,20 +517,25 @@ class OffloadManager:
         self._hugepage_bytes = await anyio.to_thread.run_sync(region.hugepage_bytes)
         return self._hugepage_bytes
 
+    def _seconds_to_pinned(self) -> float | None:
+        scheduler = self._scheduler
+        return scheduler.seconds_to_pinned if scheduler is not None else None
+
     def _gib_per_s(self) -> float | None:
-        if not self._seconds_to_pinned:
-            return None
-        return self._nbytes / (1 << 30) / self._seconds_to_pinned
+        seconds = self._seconds_to_pinned()
+        return self._nbytes / (1 << 30) / seconds if seconds else None
 
     def stats(self) -> ManagerStats:
         scheduler, region = self._scheduler, self._region
         if self._forked():
             scheduler = None  # its chunks are pinned in the parent, not here
         error = self._pinned.error
+        router = self._router
+        counts = router.counts if router is not None else TransferCounts()
         return ManagerStats(
             state=self.state.value,
             backend=self._backend.name,
-            backing=self._backing,
+            backing=self._config.backing,
             nbytes=self._nbytes,
             chunk_bytes=self._chunk_bytes,
             chunks_total=len(scheduler.chunks) if scheduler else 0,
@@ -646,22 +543,22 @@ class OffloadManager:
             pinned_bytes=scheduler.pinned_bytes if scheduler else 0,
             chunks_leaked=self._leaked,
             seconds_to_enter=self._seconds_to_enter,
-            seconds_to_pinned=self._seconds_to_pinned,
+            seconds_to_pinned=self._seconds_to_pinned(),
             pin_gib_per_s=self._gib_per_s(),
-            hugepages=self._hugepages,
+            hugepages=self._config.hugepages,
             hugepage_bytes=self._hugepage_bytes,
             slowest_pin_seconds=scheduler.slowest_pin_seconds if scheduler else 0.0,
             unpin_seconds=scheduler.unpin_seconds if scheduler else None,
             close_seconds=self._close_seconds,
             error=str(error) if isinstance(error, PinError) else None,
-            transfers_stored=self._counts["stored"],
-            transfers_loaded=self._counts["loaded"],
-            bytes_stored=self._counts["bytes_stored"],
-            bytes_loaded=self._counts["bytes_loaded"],
-            transfers_waited_for_pinning=self._counts["waited"],
-            transfers_pageable=self._counts["pageable"],
-            transfers_failed=self._counts["failed"],
-            transfers_in_flight=len(self._inflight),
+            transfers_stored=counts.stored,
+            transfers_loaded=counts.loaded,
+            bytes_stored=counts.bytes_stored,
+            bytes_loaded=counts.bytes_loaded,
+            transfers_waited_for_pinning=counts.waited,
+            transfers_pageable=counts.pageable,
+            transfers_failed=counts.failed,
+            transfers_in_flight=len(router.in_flight) if router is not None else 0,
             mapped_by_views_bytes=region.mapped_by_views_bytes() if region is not None else 0,
         )
 
@@ -669,7 +566,7 @@ class OffloadManager:
 
     @property
     def kv_layout(self) -> KVLayout | None:
-        return self._layout
+        return self._config.kv_layout
 
     def host_blocks(self) -> torch.Tensor:
         """``[num_host_blocks, num_arrays, *block_shape]`` view of the host KV blocks."""
@@ -679,13 +576,6 @@ class OffloadManager:
         if self._host_blocks is None:
             raise ConfigError("this manager has no KV layout (use OffloadManager.for_kv)")
         return self._host_blocks
-
-    def _make_engine(self, region: HostRegion) -> TransferEngine:
-        layout = self._layout
-        assert layout is not None
-        self._host_blocks = host_blocks_view(region.view(), layout, self._num_host_blocks)
-        setup = EngineSetup(layout, self._host_blocks, self._chunk_bytes, self._tasks.start_soon)
-        return make_engine("auto", setup)
 
     def store(
         self,
@@ -728,47 +618,9 @@ class OffloadManager:
                 "entered the manager); from another thread, go through "
                 "anyio.from_thread.run_sync"
             )
-        layout, engine, scheduler = self._layout, self._engine, self._scheduler
-        if layout is None or engine is None or scheduler is None:
+        if self._router is None:
             raise ConfigError("this manager has no KV layout (use OffloadManager.for_kv)")
-        gpu = block_ids(gpu_block_ids, "gpu_block_ids", layout.num_blocks)
-        cpu = block_ids(cpu_block_ids, "cpu_block_ids", self._num_host_blocks)
-        if len(gpu) != len(cpu):
-            raise InvalidTransferError(
-                f"gpu_block_ids has {len(gpu)} ids and cpu_block_ids {len(cpu)}"
-            )
-        dst = cpu if direction == "store" else gpu
-        if len(set(dst)) != len(dst):
-            raise InvalidTransferError(
-                f"{'cpu' if direction == 'store' else 'gpu'}_block_ids has duplicate "
-                "destinations: the result would depend on copy order"
-            )
-        if method != "auto" and method not in engine.methods():
-            raise InvalidTransferError(
-                f"method {method!r} is not available here; use one of {engine.methods()}"
-            )
-        transfer = Transfer(direction, len(gpu), len(gpu) * layout.host_block_bytes)
-        job = TransferJob(transfer, gpu, cpu, method, on_finish=_settle)
-        self._track(transfer)
-        needed = self._unpinned_chunks(cpu) if not scheduler.all_pinned() else []
-        if not needed:
-            self._enqueue(job, pageable=False)
-        elif self._unpinned_policy == "pageable":
-            self._counts["pageable"] += 1
-            region = self._region
-            if region is not None and region.backing == "shared":
-                size = layout.host_block_bytes
-                spans = [(c * size, size) for c in cpu]
-                job.reserve = lambda: region.reserve(spans)
-            self._enqueue(job, pageable=True)
-        else:
-            self._counts["waited"] += 1
-            # A store must not copy blocks before the compute stream has produced them,
-            # and a load must not overwrite blocks the compute stream is still reading:
-            # the copy, queued later, waits for what the caller's stream has queued now.
-            job.ready = engine.record_ready()
-            self._tasks.start_soon(self._enqueue_when_pinned, job, needed)
-        return transfer
+        return self._router.submit(direction, gpu_block_ids, cpu_block_ids, method)
 
     def add_transfer_observer(self, observer: Callable[[Transfer], None]) -> None:
         """Call ``observer(transfer)`` on the event loop as each transfer of this manager
@@ -778,74 +630,6 @@ class OffloadManager:
         (``transfer.observer_failed``) and never reaches the transfer or the manager."""
         self._observers.append(observer)
 
-    def _track(self, transfer: Transfer) -> None:
-        self._counts["stored" if transfer.direction == "store" else "loaded"] += 1
-        if not self._inflight:
-            self._idle = anyio.Event()
-        self._inflight.add(transfer)
-        transfer._callbacks.append(self._transfer_done)
-
-    def _transfer_done(self, transfer: Transfer) -> None:
-        self._inflight.discard(transfer)
-        if transfer.error is not None:
-            self._counts["failed"] += 1
-        else:
-            key = "bytes_stored" if transfer.direction == "store" else "bytes_loaded"
-            self._counts[key] += transfer.nbytes
-        if not self._inflight:
-            self._idle.set()
-        for observer in self._observers:
-            try:
-                observer(transfer)
-            except Exception as exc:
-                self._log.error(
-                    "transfer.observer_failed", observer=repr(observer), error=repr(exc)
-                )
-
-    def _enqueue(self, job: TransferJob, *, pageable: bool) -> None:
-        assert self._engine is not None
-        try:
-            self._engine.submit(job, pageable=pageable)
-        except Exception as exc:
-            error = TransferError(f"{job.transfer.direction} could not be enqueued: {exc}")
-            error.__cause__ = exc
-            job.transfer._finish(error)
-            raise error from exc
-
-    def _unpinned_chunks(self, cpu_ids: list[int]) -> list[int]:
-        scheduler, layout = self._scheduler, self._layout
-        assert scheduler is not None and layout is not None
-        size = layout.host_block_bytes
-        chunks: set[int] = set()
-        for c in set(cpu_ids):
-            chunks.update(scheduler.chunks_of(c * size, size))
-        return sorted(i for i in chunks if not scheduler.is_chunk_pinned(i))
-
-    def _on_pin_progress(self) -> None:
-        event, self._progress = self._progress, anyio.Event()
-        event.set()
-
-    async def _enqueue_when_pinned(self, job: TransferJob, chunks: list[int]) -> None:
-        scheduler = self._scheduler
-        assert scheduler is not None
-        try:
-            while missing := [i for i in chunks if not scheduler.is_chunk_pinned(i)]:
-                if scheduler.done.is_set() or scheduler.stopping:
-                    error = TransferError(
-                        f"host chunk {missing[0]} of this {job.transfer.direction} will not be "
-                        "pinned: " + ("pinning failed" if scheduler.error else "the manager closed")
-                    )
-                    error.__cause__ = scheduler.error
-                    job.transfer._finish(error)
-                    return
-                await self._progress.wait()
-            self._enqueue(job, pageable=False)
-        except TransferError:
-            return  # reported through the handle
-        except BaseException as exc:
-            job.finish(interrupted(exc))
-            raise
-
     def __repr__(self) -> str:
         s = self.stats()
         return (
@@ -853,21 +637,3 @@ class OffloadManager:
             f"pinned={s.pinned_bytes}/{s.nbytes} chunks={s.chunks_pinned}/{s.chunks_total}>"
         )
 
-
-def _settle(job: TransferJob, error: BaseException | None) -> None:
-    """The engine's report, as the transfer's outcome: an error becomes a TransferError
-    naming the transfer (the cause chained), unless it is one already or the transfer was
-    interrupted by the close."""
-    transfer = job.transfer
-    if error is not None and not isinstance(error, TransferError | anyio.ClosedResourceError):
-        code = getattr(error, "code", None)
-        wrapped = TransferError(
-            f"{transfer.direction} failed ({transfer.method}, {transfer.path}): {error}",
-            direction=transfer.direction,
-            method=transfer.method,
-            code=code if isinstance(code, int) else None,
-            code_name=getattr(error, "code_name", None),
-        )
-        wrapped.__cause__ = error
-        error = wrapped
-    transfer._finish(error)

@@ -9,19 +9,20 @@ cancelled at that moment: close then knows exactly what to unpin.
 
 from __future__ import annotations
 
-import enum
 import errno
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
+import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from asyncpin._outcome import Outcome
+from asyncpin.chunks import ChunkState, ChunkTable
 from asyncpin.errors import BackendCallError, PinError
 from asyncpin.gate import PauseGate
 from asyncpin.region import Chunk, HostRegion
@@ -29,16 +30,7 @@ from asyncpin.region import Chunk, HostRegion
 if TYPE_CHECKING:
     from asyncpin.backends import PinBackend
 
-__all__ = ["ChunkState", "PinScheduler", "PinnedSignal"]
-
-
-class ChunkState(enum.Enum):
-    PENDING = "pending"
-    PREFAULTED = "prefaulted"
-    PINNED = "pinned"
-    FAILED = "failed"
-    UNPINNED = "unpinned"
-    LEAKED = "leaked"
+__all__ = ["PinScheduler", "PinnedSignal"]
 
 
 class PinnedSignal(Outcome):
@@ -58,7 +50,10 @@ class PinnedSignal(Outcome):
 
 
 class PinScheduler:
-    """Runs the pipeline for one region; :meth:`stop` ends it at the next chunk boundary."""
+    """Runs the pipeline for one region; :meth:`stop` ends it at the next chunk boundary.
+
+    It owns the chunk table and settles ``pinned`` when it ends: done when every chunk
+    is pinned, the PinError when one failed (a close leaves it to the manager)."""
 
     def __init__(
         self,
@@ -70,33 +65,49 @@ class PinScheduler:
         pin_threads: int,
         pin_interval_s: float,
         gate: PauseGate,
+        pinned: PinnedSignal | None = None,
+        log: Any = None,
+        started_at: float | None = None,
     ) -> None:
         self.region = region
         self.backend = backend
+        self.table = ChunkTable(chunks)
         self.chunks = chunks
         self.gate = gate
+        self.pinned = pinned if pinned is not None else PinnedSignal()
+        self._log = log if log is not None else structlog.get_logger("asyncpin")
         self._prefault_threads = prefault_threads
         self._pin_threads = pin_threads
         self._pin_interval_s = pin_interval_s
-        self._states = [ChunkState.PENDING] * len(chunks)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._next = 0
-        self.pinned_bytes = 0
-        self.chunks_pinned = 0
-        self.error: PinError | None = None
         self.slowest_pin_seconds = 0.0
         self.unpin_seconds: float | None = None
         self.done = anyio.Event()
-        # Called on the event loop after each pin call and when the pipeline ends.
-        self.on_progress: Callable[[], None] | None = None
+        # Time to pinned counts from here (the manager's entry).
+        self.started_at = time.perf_counter() if started_at is None else started_at
         self.finished_at: float | None = None
+        self.seconds_to_pinned: float | None = None
+
+    @property
+    def error(self) -> PinError | None:
+        return self.table.error
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.table.pinned_bytes
+
+    @property
+    def chunks_pinned(self) -> int:
+        return self.table.chunks_pinned
 
     # -- control ----------------------------------------------------------------------
 
     def stop(self) -> None:
         """Ask the pipeline to end at the next chunk boundary (thread-safe)."""
         self._stop.set()
+        self.table.stop()
         self.gate.wake()
 
     @property
@@ -104,19 +115,10 @@ class PinScheduler:
         return self._stop.is_set()
 
     def states(self) -> list[ChunkState]:
-        with self._lock:
-            return list(self._states)
-
-    def is_chunk_pinned(self, index: int) -> bool:
-        return self._states[index] is ChunkState.PINNED
-
-    def chunks_of(self, offset: int, nbytes: int) -> range:
-        """Indices of the chunks that ``[offset, offset+nbytes)`` touches."""
-        size = self.chunks[0].nbytes
-        return range(offset // size, (offset + nbytes - 1) // size + 1)
+        return self.table.states()
 
     def all_pinned(self) -> bool:
-        return self.chunks_pinned == len(self.chunks)
+        return self.table.all_pinned()
 
     # -- pipeline ---------------------------------------------------------------------
 
@@ -135,14 +137,43 @@ class PinScheduler:
             # nor vanish.
             error = PinError(-1, 0, 0, None, None, f"pin pipeline crashed: {exc!r}")
             error.__cause__ = exc
-            with self._lock:
-                self.error = self.error or error
-            self._stop.set()
+            self.table.set_error(error)
+            self.stop()
         finally:
             self.finished_at = time.perf_counter()
+            self.table.stop()
             self.done.set()
-            if self.on_progress is not None:
-                self.on_progress()
+            self.table.notify()
+            self._settle()
+
+    def _settle(self) -> None:
+        """Settle ``pinned`` from how the pipeline ended; a stop by close leaves it."""
+        error = self.table.error
+        if error is not None:
+            self._log.error(
+                "pin.failed",
+                chunk=error.chunk_index,
+                offset=error.offset,
+                nbytes=error.nbytes,
+                code=error.code,
+                code_name=error.code_name,
+                reason=error.reason,
+            )
+            self.pinned.resolve(error)
+        elif self.table.all_pinned():
+            assert self.finished_at is not None
+            self.seconds_to_pinned = self.finished_at - self.started_at
+            nbytes = sum(chunk.nbytes for chunk in self.chunks)
+            self._log.info(
+                "pin.complete",
+                seconds=self.seconds_to_pinned,
+                gib_per_s=nbytes / (1 << 30) / self.seconds_to_pinned,
+            )
+            self.pinned.resolve()
+        else:
+            self._log.info(
+                "pin.stopped", pinned_bytes=self.table.pinned_bytes, nbytes=self.region.nbytes
+            )
 
     def _take(self) -> Iterator[Chunk]:
         while not self._stop.is_set():
@@ -175,8 +206,7 @@ class PinScheduler:
                 if self._stop.is_set():
                     return
                 await anyio.to_thread.run_sync(self._pin_one, chunk, limiter=limiter)
-                if self.on_progress is not None:
-                    self.on_progress()
+                self.table.notify()
                 if self._pin_interval_s > 0 and not self._stop.is_set():
                     await self._pause(limiter)
 
@@ -200,8 +230,7 @@ class PinScheduler:
         except BaseException as exc:
             self._fail(chunk, exc, "prefault")
             return False
-        with self._lock:
-            self._states[chunk.index] = ChunkState.PREFAULTED
+        self.table.mark(chunk.index, ChunkState.PREFAULTED)
         return True
 
     def _pin_one(self, chunk: Chunk) -> None:
@@ -219,9 +248,7 @@ class PinScheduler:
             seconds = time.perf_counter() - t0
             with self._lock:
                 self.slowest_pin_seconds = max(self.slowest_pin_seconds, seconds)
-                self._states[chunk.index] = ChunkState.PINNED
-                self.pinned_bytes += chunk.nbytes
-                self.chunks_pinned += 1
+            self.table.mark(chunk.index, ChunkState.PINNED)
         finally:
             self.gate.exit_call()
 
@@ -234,10 +261,7 @@ class PinScheduler:
             chunk.index, chunk.offset, chunk.nbytes, code, code_name, f"{stage}: {exc}"
         )
         error.__cause__ = exc
-        with self._lock:
-            self._states[chunk.index] = ChunkState.FAILED
-            if self.error is None:
-                self.error = error
+        self.table.fail(chunk.index, error)
         self.stop()
 
     def unpin_all(self) -> list[tuple[Chunk, Exception]]:
@@ -246,20 +270,16 @@ class PinScheduler:
         leaked: list[tuple[Chunk, Exception]] = []
         t0 = time.perf_counter()
         for chunk in self.chunks:
-            if self._states[chunk.index] is not ChunkState.PINNED:
+            if not self.table.is_pinned(chunk.index):
                 continue
             self.gate.enter_call()
             try:
                 self.backend.unpin(self.region.address + chunk.offset, chunk.nbytes)
             except Exception as exc:
-                with self._lock:
-                    self._states[chunk.index] = ChunkState.LEAKED
+                self.table.mark(chunk.index, ChunkState.LEAKED)
                 leaked.append((chunk, exc))
             else:
-                with self._lock:
-                    self._states[chunk.index] = ChunkState.UNPINNED
-                    self.pinned_bytes -= chunk.nbytes
-                    self.chunks_pinned -= 1
+                self.table.mark(chunk.index, ChunkState.UNPINNED)
             finally:
                 self.gate.exit_call()
         self.unpin_seconds = time.perf_counter() - t0

@@ -528,6 +528,18 @@ class HostRegion:
         )
 
 
+def validate_backing(backing: str) -> None:
+    if backing not in ("anonymous", "shared"):
+        raise ConfigError(f"unknown backing {backing!r}: use 'anonymous' or 'shared'")
+
+
+def validate_hugepages(hugepages: str) -> None:
+    if hugepages not in ("thp", "hugetlb", "none"):
+        raise ConfigError(
+            f"unknown hugepages policy {hugepages!r}: use 'thp', 'hugetlb' or 'none'"
+        )
+
+
 def validate_nbytes(nbytes: int) -> int:
     if isinstance(nbytes, bool) or not isinstance(nbytes, int):
         raise ConfigError(f"nbytes must be an int, not {type(nbytes).__name__}")

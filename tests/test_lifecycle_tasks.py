@@ -42,10 +42,10 @@ from asyncpin import (
     TransferError,
     capture_gate,
 )
+from asyncpin._config import MAX_THREADS
 from asyncpin._tasks import OwnedTasks
 from asyncpin.engines.host import HostTransferEngine
 from asyncpin.errors import ConfigError, ForkedManagerError, LifecycleError
-from asyncpin.manager import MAX_THREADS
 from asyncpin.testing import FakeBackend, is_mapped
 from asyncpin.transfers import TransferJob
 from tests.helpers import THREAD_TIMEOUT_S, releasing, wait_child, wait_thread_event

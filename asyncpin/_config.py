@@ -1,0 +1,180 @@
+"""A manager's configuration: every argument checked once, here, into a frozen value."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from asyncpin import _sys
+from asyncpin.abc import EngineFactory
+from asyncpin.engines import check_engine_choice
+from asyncpin.errors import ConfigError
+from asyncpin.kv import KVLayout
+from asyncpin.region import (
+    Backing,
+    HugePages,
+    validate_backing,
+    validate_hugepages,
+    validate_nbytes,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "MAX_THREADS",
+    "ManagerConfig",
+    "UnpinnedPolicy",
+    "check_num_host_blocks",
+    "default_prefault_threads",
+]
+
+# Measured on the H200 (bench/RESULTS.md): 16 MiB chunks keep each cudaHostRegister short
+# enough that a concurrent 24 ms GPU step stretches by ~15% at most, at full pinning speed;
+# 256 MiB chunks stretched it 2.6x.
+DEFAULT_CHUNK_BYTES = 16 << 20
+
+# Bound on prefault_threads and pin_threads: each is an OS thread, and page faulting
+# stops scaling long before this (and the defaults stay at 8 and 1).
+MAX_THREADS = 64
+
+UnpinnedPolicy = Literal["wait", "pageable"]
+
+
+def default_prefault_threads() -> int:
+    """Up to 8 fault threads, always leaving one core to the event loop: on a 2-core VM,
+    2 threads faulting cold huge pages stalled the loop for ~0.5 s (bench/RESULTS.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(8, (cores or 1) - 1))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_num_host_blocks(value: Any) -> int:
+    if not _is_int(value) or value < 1:
+        raise ConfigError(f"num_host_blocks must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def _check_threads(knob: str, value: Any) -> int:
+    if not _is_int(value) or not 1 <= value <= MAX_THREADS:
+        raise ConfigError(
+            f"{knob} must be an int >= 1 and <= {MAX_THREADS} (each is a thread), got {value!r}"
+        )
+    return int(value)
+
+
+def _check_chunk_bytes(chunk_bytes: Any, hugepages: HugePages) -> int:
+    if not _is_int(chunk_bytes) or chunk_bytes <= 0 or chunk_bytes % _sys.PAGE_SIZE:
+        raise ConfigError(
+            f"chunk_bytes={chunk_bytes!r} must be a positive multiple of the page size "
+            f"({_sys.PAGE_SIZE})"
+        )
+    if hugepages == "hugetlb" and chunk_bytes % (2 << 20):
+        raise ConfigError(
+            f"chunk_bytes={chunk_bytes} must be a multiple of 2 MiB with hugepages='hugetlb' "
+            "(huge pages cannot be split between chunks)"
+        )
+    return int(chunk_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerConfig:
+    """What a manager was asked for, validated. ``nbytes`` is 0 for an attacher (it
+    learns the region's size when it enters)."""
+
+    nbytes: int
+    backing: Backing
+    name: str | None
+    chunk_bytes: int
+    prefault_threads: int
+    pin_threads: int
+    pin_interval_s: float
+    hugepages: HugePages
+    kv_layout: KVLayout | None
+    num_host_blocks: int
+    unpinned_policy: UnpinnedPolicy
+    engine: str | EngineFactory
+    attach: bool
+
+    @classmethod
+    def validated(
+        cls,
+        nbytes: int,
+        *,
+        backing: Backing,
+        name: str | None,
+        chunk_bytes: int,
+        prefault_threads: int | None,
+        pin_threads: int,
+        pin_interval_s: float,
+        hugepages: HugePages,
+        kv_layout: KVLayout | None,
+        num_host_blocks: int | None,
+        unpinned_policy: UnpinnedPolicy,
+        engine: str | EngineFactory,
+        attach: bool,
+    ) -> ManagerConfig:
+        """Raises ConfigError, naming the argument, for the first one out of range."""
+        size = 0 if attach else validate_nbytes(nbytes)
+        validate_backing(backing)
+        validate_hugepages(hugepages)
+        if (
+            not isinstance(pin_interval_s, int | float)
+            or isinstance(pin_interval_s, bool)
+            or not 0 <= pin_interval_s < math.inf
+        ):
+            raise ConfigError(
+                f"pin_interval_s must be a finite number >= 0, got {pin_interval_s!r}"
+            )
+        if (kv_layout is None) != (num_host_blocks is None):
+            raise ConfigError("kv_layout and num_host_blocks go together")
+        blocks = 0
+        if kv_layout is not None:
+            if not isinstance(kv_layout, KVLayout):
+                raise ConfigError("kv_layout must be a KVLayout (KVLayout.from_tensors(...))")
+            blocks = check_num_host_blocks(num_host_blocks)
+            # An attacher learns the region's size when it enters and checks it there.
+            if not attach and size < blocks * kv_layout.host_block_bytes:
+                raise ConfigError(
+                    f"{blocks} host blocks of {kv_layout.host_block_bytes} bytes do not "
+                    f"fit in nbytes={nbytes}; use OffloadManager.for_kv(layout, num_host_blocks)"
+                )
+        if unpinned_policy not in ("wait", "pageable"):
+            raise ConfigError(
+                f"unpinned_policy must be 'wait' or 'pageable', not {unpinned_policy!r}"
+            )
+        return cls(
+            nbytes=size,
+            backing=backing,
+            name=name,
+            chunk_bytes=_check_chunk_bytes(chunk_bytes, hugepages),
+            prefault_threads=_check_threads(
+                "prefault_threads",
+                default_prefault_threads() if prefault_threads is None else prefault_threads,
+            ),
+            pin_threads=_check_threads("pin_threads", pin_threads),
+            pin_interval_s=float(pin_interval_s),
+            hugepages=hugepages,
+            kv_layout=kv_layout,
+            num_host_blocks=blocks,
+            unpinned_policy=unpinned_policy,
+            engine=check_engine_choice(engine),
+            attach=attach,
+        )
+
+    def layout_description(self) -> dict[str, Any] | None:
+        """What the bytes of a shared region mean, recorded in its header and checked by
+        an attacher."""
+        layout = self.kv_layout
+        if layout is None:
+            return None
+        return {
+            "num_arrays": layout.num_arrays,
+            "block_shape": list(layout.block_shape),
+            "dtype": str(layout.dtype),
+            "host_block_bytes": layout.host_block_bytes,
+            "num_host_blocks": self.num_host_blocks,
+        }

@@ -1,0 +1,212 @@
+"""The transfer router, between the manager and its engine: validate → the unpinned
+policy → the engine → completion → counts and observers.
+
+It is the one place where an engine's error becomes a :class:`TransferError` naming
+the transfer (direction, method, CUDA code), and it reads the pin pipeline's chunk table
+only: it never looks into the pipeline itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import torch
+
+from asyncpin._config import UnpinnedPolicy
+from asyncpin.abc import TransferEngine
+from asyncpin.chunks import ChunkTable
+from asyncpin.errors import InvalidTransferError, TransferError
+from asyncpin.kv import KVLayout
+from asyncpin.region import HostRegion
+from asyncpin.transfers import Direction, Method, Transfer, TransferJob, block_ids, interrupted
+
+__all__ = ["TransferCounts", "TransferRouter"]
+
+Ids = Sequence[int] | torch.Tensor
+
+
+class TransferCounts:
+    """What ``stats()`` reports of transfers; kept after close."""
+
+    __slots__ = ("bytes_loaded", "bytes_stored", "failed", "loaded", "pageable", "stored", "waited")
+
+    def __init__(self) -> None:
+        self.stored = self.loaded = self.bytes_stored = self.bytes_loaded = 0
+        self.waited = self.pageable = self.failed = 0
+
+
+class TransferRouter:
+    """Routes one manager's stores and loads to its engine; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        layout: KVLayout,
+        num_host_blocks: int,
+        engine: TransferEngine,
+        table: ChunkTable,
+        region: HostRegion,
+        policy: UnpinnedPolicy,
+        start_soon: Callable[..., object],
+        observers: list[Callable[[Transfer], None]],
+        log: Any,
+    ) -> None:
+        self.layout = layout
+        self.num_host_blocks = num_host_blocks
+        self.engine = engine
+        self._table = table
+        self._region = region
+        self._policy = policy
+        self._start_soon = start_soon
+        self._observers = observers
+        self._log = log
+        self.counts = TransferCounts()
+        self.in_flight: set[Transfer] = set()
+        self._idle = anyio.Event()
+        self._idle.set()
+
+    async def drained(self) -> None:
+        """Returns once no transfer is in flight (their device work is done)."""
+        await self._idle.wait()
+
+    def submit(self, direction: Direction, gpu: Ids, cpu: Ids, method: Method) -> Transfer:
+        """Validate, then hand the job to the engine now, or once its host chunks are
+        pinned (``wait``), or through pageable memory (``pageable``). Bad input raises
+        InvalidTransferError with nothing enqueued."""
+        job = self._validated(direction, gpu, cpu, method)
+        transfer = job.transfer
+        self._track(transfer)
+        size = self.layout.host_block_bytes
+        needed = self._table.unpinned((c * size, size) for c in job.cpu_ids)
+        if not needed:
+            self._enqueue(job, pageable=False)
+        elif self._policy == "pageable":
+            self.counts.pageable += 1
+            region = self._region
+            if region.backing == "shared":
+                spans = [(c * size, size) for c in job.cpu_ids]
+                job.reserve = lambda: region.reserve(spans)
+            self._enqueue(job, pageable=True)
+        else:
+            self.counts.waited += 1
+            # A store must not copy blocks before the compute stream has produced them,
+            # and a load must not overwrite blocks the compute stream is still reading:
+            # the copy, queued later, waits for what the caller's stream has queued now.
+            job.ready = self.engine.record_ready()
+            self._start_soon(self._enqueue_when_pinned, job, needed)
+        return transfer
+
+    def _validated(
+        self, direction: Direction, gpu_ids: Ids, cpu_ids: Ids, method: Method
+    ) -> TransferJob:
+        layout = self.layout
+        gpu = block_ids(gpu_ids, "gpu_block_ids", layout.num_blocks)
+        cpu = block_ids(cpu_ids, "cpu_block_ids", self.num_host_blocks)
+        if len(gpu) != len(cpu):
+            raise InvalidTransferError(
+                f"gpu_block_ids has {len(gpu)} ids and cpu_block_ids {len(cpu)}"
+            )
+        dst = cpu if direction == "store" else gpu
+        if len(set(dst)) != len(dst):
+            raise InvalidTransferError(
+                f"{'cpu' if direction == 'store' else 'gpu'}_block_ids has duplicate "
+                "destinations: the result would depend on copy order"
+            )
+        if method != "auto" and method not in self.engine.methods():
+            raise InvalidTransferError(
+                f"method {method!r} is not available here; use one of {self.engine.methods()}"
+            )
+        transfer = Transfer(direction, len(gpu), len(gpu) * layout.host_block_bytes)
+        return TransferJob(transfer, gpu, cpu, method, on_finish=_settle)
+
+    def _track(self, transfer: Transfer) -> None:
+        if transfer.direction == "store":
+            self.counts.stored += 1
+        else:
+            self.counts.loaded += 1
+        if not self.in_flight:
+            self._idle = anyio.Event()
+        self.in_flight.add(transfer)
+        transfer._callbacks.append(self._transfer_done)
+
+    def _transfer_done(self, transfer: Transfer) -> None:
+        self.in_flight.discard(transfer)
+        if transfer.error is not None:
+            self.counts.failed += 1
+        elif transfer.direction == "store":
+            self.counts.bytes_stored += transfer.nbytes
+        else:
+            self.counts.bytes_loaded += transfer.nbytes
+        if not self.in_flight:
+            self._idle.set()
+        for observer in self._observers:
+            try:
+                observer(transfer)
+            except Exception as exc:
+                self._log.error(
+                    "transfer.observer_failed", observer=repr(observer), error=repr(exc)
+                )
+
+    def _enqueue(self, job: TransferJob, *, pageable: bool) -> None:
+        try:
+            self.engine.submit(job, pageable=pageable)
+        except Exception as exc:
+            transfer = job.transfer
+            error = TransferError(
+                f"{transfer.direction} could not be enqueued: {exc}",
+                direction=transfer.direction,
+                method=transfer.method,
+                **_codes(exc),
+            )
+            error.__cause__ = exc
+            transfer._finish(error)
+            raise error from exc
+
+    async def _enqueue_when_pinned(self, job: TransferJob, chunks: list[int]) -> None:
+        try:
+            missing = await self._table.wait_pinned(chunks)
+            if missing is not None:
+                reason = self._table.error
+                transfer = job.transfer
+                error = TransferError(
+                    f"host chunk {missing} of this {transfer.direction} will not be pinned: "
+                    + ("pinning failed" if reason else "the manager closed"),
+                    direction=transfer.direction,
+                )
+                error.__cause__ = reason
+                transfer._finish(error)
+                return
+            self._enqueue(job, pageable=False)
+        except TransferError:
+            return  # reported through the handle
+        except BaseException as exc:
+            job.finish(interrupted(exc))
+            raise
+
+
+def _codes(error: BaseException) -> dict[str, Any]:
+    code = getattr(error, "code", None)
+    name = getattr(error, "code_name", None)
+    return {
+        "code": code if isinstance(code, int) and not isinstance(code, bool) else None,
+        "code_name": name if isinstance(name, str) else None,
+    }
+
+
+def _settle(job: TransferJob, error: BaseException | None) -> None:
+    """The engine's report, as the transfer's outcome: an error becomes a TransferError
+    naming the transfer (the cause chained), unless it is one already or the transfer was
+    interrupted by the close."""
+    transfer = job.transfer
+    if error is not None and not isinstance(error, TransferError | anyio.ClosedResourceError):
+        wrapped = TransferError(
+            f"{transfer.direction} failed ({transfer.method}, {transfer.path}): {error}",
+            direction=transfer.direction,
+            method=transfer.method,
+            **_codes(error),
+        )
+        wrapped.__cause__ = error
+        error = wrapped
+    transfer._finish(error)

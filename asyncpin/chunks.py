@@ -1,0 +1,130 @@
+"""The chunk table: the state of each chunk of the host region, written by the pin
+pipeline and read by transfers.
+
+The pipeline's worker threads change a chunk's state inside the pin or unpin call's
+thread, under the table's lock, so that a chunk whose pin returned is recorded even if
+the awaiting task is cancelled at that moment: close then knows exactly what to unpin.
+Transfers read only the table: which chunks a block range needs, whether they are
+pinned, and they wait on its progress signal, which the pipeline raises on the event
+loop after each pin call and when it stops.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Iterable
+
+import anyio
+
+from asyncpin.errors import PinError
+from asyncpin.region import Chunk
+
+__all__ = ["ChunkState", "ChunkTable"]
+
+
+class ChunkState(enum.Enum):
+    PENDING = "pending"
+    PREFAULTED = "prefaulted"
+    PINNED = "pinned"
+    FAILED = "failed"
+    UNPINNED = "unpinned"
+    LEAKED = "leaked"
+
+
+class ChunkTable:
+    """Chunks of equal size (the last may be shorter), from the region's start."""
+
+    def __init__(self, chunks: list[Chunk]) -> None:
+        self.chunks = chunks
+        self._size = chunks[0].nbytes if chunks else 1
+        self._states = [ChunkState.PENDING] * len(chunks)
+        self._lock = threading.Lock()
+        self.pinned_bytes = 0
+        self.chunks_pinned = 0
+        #: The pipeline's first failure; set once.
+        self.error: PinError | None = None
+        self._stopped = False
+        self._progress: anyio.Event | None = None
+
+    # -- written by the pipeline --------------------------------------------------------
+
+    def mark(self, index: int, state: ChunkState) -> None:
+        """Record a chunk's new state (any thread); pinned bytes follow PINNED in and out."""
+        nbytes = self.chunks[index].nbytes
+        with self._lock:
+            was = self._states[index]
+            self._states[index] = state
+            if state is ChunkState.PINNED and was is not ChunkState.PINNED:
+                self.pinned_bytes += nbytes
+                self.chunks_pinned += 1
+            elif was is ChunkState.PINNED and state is ChunkState.UNPINNED:
+                self.pinned_bytes -= nbytes
+                self.chunks_pinned -= 1
+
+    def fail(self, index: int, error: PinError) -> None:
+        """A chunk failed; the first failure is the table's ``error`` (any thread)."""
+        with self._lock:
+            self._states[index] = ChunkState.FAILED
+            if self.error is None:
+                self.error = error
+
+    def set_error(self, error: PinError) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+
+    def stop(self) -> None:
+        """No chunk pinned from now on will be (any thread); waiters learn it at the next
+        :meth:`notify`."""
+        self._stopped = True
+
+    def notify(self) -> None:
+        """Wake the transfers waiting for chunks (on the event loop)."""
+        event, self._progress = self._progress, None
+        if event is not None:
+            event.set()
+
+    # -- read by transfers and stats ----------------------------------------------------
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def states(self) -> list[ChunkState]:
+        with self._lock:
+            return list(self._states)
+
+    def state(self, index: int) -> ChunkState:
+        return self._states[index]
+
+    def is_pinned(self, index: int) -> bool:
+        return self._states[index] is ChunkState.PINNED
+
+    def all_pinned(self) -> bool:
+        return self.chunks_pinned == len(self.chunks)
+
+    def chunks_of(self, offset: int, nbytes: int) -> range:
+        """Indices of the chunks that ``[offset, offset+nbytes)`` touches."""
+        return range(offset // self._size, (offset + nbytes - 1) // self._size + 1)
+
+    def unpinned(self, spans: Iterable[tuple[int, int]]) -> list[int]:
+        """The chunks not pinned yet that the ``(offset, nbytes)`` spans touch, in order."""
+        if self.all_pinned():
+            return []
+        needed: set[int] = set()
+        for offset, nbytes in spans:
+            needed.update(self.chunks_of(offset, nbytes))
+        return sorted(i for i in needed if not self.is_pinned(i))
+
+    async def wait_pinned(self, indices: list[int]) -> int | None:
+        """Wait until every chunk of ``indices`` is pinned (returns None), or until the
+        pipeline has stopped short of one: returns that chunk's index (``error`` says
+        why; None when the manager closed)."""
+        while missing := [i for i in indices if not self.is_pinned(i)]:
+            if self._stopped:
+                return missing[0]
+            if self._progress is None:
+                self._progress = anyio.Event()
+            await self._progress.wait()
+        return None
