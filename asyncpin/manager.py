@@ -25,23 +25,22 @@ from asyncpin._config import (
     UnpinnedPolicy,
     check_num_host_blocks,
 )
-from asyncpin._router import TransferCounts, TransferRouter
+from asyncpin._opened import Opened
+from asyncpin._router import TransferCounts
 from asyncpin._tasks import OwnedTasks, current_loop
-from asyncpin.abc import EngineFactory, EngineSetup, PinBackend, TransferEngine
+from asyncpin.abc import EngineFactory, PinBackend, TransferEngine
 from asyncpin.backends import resolve_backend
-from asyncpin.engines import make_engine
 from asyncpin.errors import (
     ConfigError,
     ForkedManagerError,
     LifecycleError,
     PinError,
-    PreflightError,
 )
 from asyncpin.gate import PausedContext, PauseGate, held_here
 from asyncpin.kv import KVLayout
-from asyncpin.pinning import PinnedSignal, PinScheduler
-from asyncpin.region import Backing, HostRegion, HugePages
-from asyncpin.transfers import Method, Transfer, host_blocks_view
+from asyncpin.pinning import PinnedSignal
+from asyncpin.region import Backing, HugePages
+from asyncpin.transfers import Method, Transfer
 
 __all__ = ["ManagerState", "ManagerStats", "OffloadManager"]
 
@@ -151,10 +150,8 @@ class OffloadManager:
         self._chunk_bytes = min(
             config.chunk_bytes, self._backend.max_pin_bytes // _sys.PAGE_SIZE * _sys.PAGE_SIZE
         )
-        self._engine: TransferEngine | None = None
-        self._router: TransferRouter | None = None
+        self._opened: Opened | None = None
         self._loop_thread: int | None = None  # the thread that entered: store/load only there
-        self._host_blocks: torch.Tensor | None = None
         self._observers: list[Callable[[Transfer], None]] = []
         self._id = next(_ids)
         base = logger if logger is not None else structlog.get_logger("asyncpin")
@@ -163,8 +160,6 @@ class OffloadManager:
         self._gate = PauseGate()
         self._pinned = PinnedSignal()
         self._closed_event = anyio.Event()
-        self._region: HostRegion | None = None
-        self._scheduler: PinScheduler | None = None
         # The manager's background tasks (the pin pipeline, the engine's, transfers waiting
         # for a chunk): its own, not the entering task's, so any task can close it.
         self._tasks = OwnedTasks(self._log)
@@ -175,7 +170,6 @@ class OffloadManager:
         self._seconds_to_enter: float | None = None
         self._hugepage_bytes: int | None = None
         self._close_seconds: float | None = None
-        self._leaked = 0
 
     @classmethod
     def for_kv(cls, layout: KVLayout, num_host_blocks: int, **kwargs: Any) -> OffloadManager:
@@ -207,61 +201,37 @@ class OffloadManager:
         if self._state is not ManagerState.NEW:
             raise RuntimeError("an OffloadManager can be entered only once")
         t0 = time.perf_counter()
-        config = self._config
-        region = self._map_region()
-        try:
-            self._nbytes = region.nbytes
-            layout = config.kv_layout
-            if layout is not None:
-                needed = config.num_host_blocks * layout.host_block_bytes
-                if region.nbytes < needed:
-                    raise ConfigError(
-                        f"shared region {config.name!r} holds {region.nbytes} bytes: too small "
-                        f"for {config.num_host_blocks} host blocks of "
-                        f"{layout.host_block_bytes} bytes ({needed} bytes)"
-                    )
-            chunks = region.chunks(self._chunk_bytes)
-            self._scheduler = PinScheduler(
-                region,
-                self._backend,
-                chunks,
-                prefault_threads=config.prefault_threads,
-                pin_threads=config.pin_threads,
-                pin_interval_s=config.pin_interval_s,
-                gate=self._gate,
-                pinned=self._pinned,
-                log=self._log,
-                started_at=t0,
-            )
-            self._tasks.bind()
-            self._closer.bind()
-            if layout is not None:
-                self._engine = self._open_engine(region, layout)
-                # Off the event loop: compiling a copy kernel can take a second.
-                await anyio.to_thread.run_sync(self._engine.prepare)
-            if self._state is not ManagerState.NEW:
-                # Closed by another task while this one waited: it must not open now.
-                raise anyio.ClosedResourceError("the manager was closed while it was entered")
-        except BaseException:  # a cancellation included
-            if self._engine is not None:
-                self._engine.close()
-                self._engine = None
-            self._router = None
-            self._host_blocks = None  # the manager's own view: it must not hold the range
-            region.release()
-            raise
-        self._region = region
+        opened = await Opened.open(
+            self._config,
+            self._backend,
+            chunk_bytes=self._chunk_bytes,
+            gate=self._gate,
+            pinned=self._pinned,
+            tasks=self._tasks,
+            observers=self._observers,
+            log=self._log,
+            started_at=t0,
+        )
+        if self._state is not ManagerState.NEW:
+            # Closed by another task while this one waited: it must not open now.
+            opened.drop_engine()
+            opened.region.release()
+            raise anyio.ClosedResourceError("the manager was closed while it was entered")
+        self._closer.bind()
+        self._opened = opened
+        self._nbytes = opened.region.nbytes
         self._state = ManagerState.OPEN
         self._loop_thread = threading.get_ident()
         self._pid = os.getpid()
-        self._tasks.start_soon(self._run_pinning)
+        scheduler = opened.scheduler
+        self._tasks.start_soon(scheduler.run)  # it settles `pinned`, but for a close
         self._seconds_to_enter = time.perf_counter() - t0
         self._log.info(
             "manager.opened",
             nbytes=self._nbytes,
-            chunks=len(chunks),
-            backing=region.backing,
-            region_name=region.name,
+            chunks=len(scheduler.chunks),
+            backing=opened.region.backing,
+            region_name=opened.region.name,
             enter_seconds=self._seconds_to_enter,
         )
         return self
@@ -276,72 +246,6 @@ class OffloadManager:
         # and the body's exception goes on unchanged.
         await self.aclose()
         return None
-
-    def _map_region(self) -> HostRegion:
-        config = self._config
-        if config.attach:
-            assert config.name is not None
-            return HostRegion.attach(
-                config.name,
-                hugepages=config.hugepages,
-                preflight=self._backend.preflight,
-                layout=config.layout_description(),
-            )
-        self._preflight()
-        region = HostRegion.create(
-            config.nbytes,
-            backing=config.backing,
-            name=config.name,
-            hugepages=config.hugepages,
-            layout=config.layout_description(),
-        )
-        if region.reclaimed_stale:
-            self._log.warning(
-                "region.reclaimed_stale",
-                region_name=region.name,
-                reason="its creator was gone; the new region replaces it",
-            )
-        return region
-
-    def _open_engine(self, region: HostRegion, layout: KVLayout) -> TransferEngine:
-        """The engine and the router in front of it, over the region's host blocks."""
-        config = self._config
-        self._host_blocks = host_blocks_view(region.view(), layout, config.num_host_blocks)
-        setup = EngineSetup(layout, self._host_blocks, self._chunk_bytes, self._tasks.start_soon)
-        engine = make_engine(config.engine, setup)
-        assert self._scheduler is not None
-        self._router = TransferRouter(
-            layout=layout,
-            num_host_blocks=config.num_host_blocks,
-            engine=engine,
-            table=self._scheduler.table,
-            region=region,
-            policy=config.unpinned_policy,
-            start_soon=self._tasks.start_soon,
-            observers=self._observers,
-            log=self._log,
-        )
-        return engine
-
-    def _preflight(self) -> None:
-        available = _sys.mem_available_bytes()
-        # A hugetlb region comes from the reserved pool, which MemAvailable leaves out;
-        # the pool itself is checked when the region is mapped.
-        if self._config.hugepages != "hugetlb" and self._nbytes > available:
-            raise PreflightError(
-                "memory",
-                self._nbytes,
-                available,
-                "ask for a smaller buffer or free memory (MemAvailable and the cgroup "
-                "memory limit both count)",
-            )
-        self._backend.preflight(self._nbytes)
-
-    async def _run_pinning(self) -> None:
-        scheduler = self._scheduler
-        assert scheduler is not None
-        self._log.info("pin.started", chunks=len(scheduler.chunks), chunk_bytes=self._chunk_bytes)
-        await scheduler.run()  # it settles `pinned`, but for a close
 
     def _forked(self) -> bool:
         """Whether this process is a fork of the one that opened the manager."""
@@ -397,49 +301,10 @@ class OffloadManager:
         """The close order, in a task of its own that no caller's cancellation reaches."""
         with anyio.CancelScope(shield=True):
             t0 = time.perf_counter()
-            scheduler, region = self._scheduler, self._region
-            assert scheduler is not None and region is not None
-            scheduler.stop()
-            self._log.info("manager.closing", pinned_bytes=scheduler.pinned_bytes)
+            opened = self._opened
+            assert opened is not None
             try:
-                await scheduler.done.wait()
-                if self._router is not None:
-                    await self._router.drained()  # in-flight transfers' device work
-                # What is left of the manager's tasks (a sweep between periods, a copy
-                # task settling its transfer) ends before the engine closes.
-                await self._tasks.aclose()
-                # Its own thread slot: the application's default pool may be full.
-                limiter = anyio.CapacityLimiter(1)
-                if self._engine is not None:
-                    # Off the loop: it joins the engine's threads, and a completion waiter
-                    # may be held at the capture gate until a capture ends.
-                    await anyio.to_thread.run_sync(self._engine.close, limiter=limiter)
-                # The manager's own views go, so that only the application's can keep the
-                # address range mapped past close.
-                self._engine = None
-                self._host_blocks = None
-                leaked = await anyio.to_thread.run_sync(scheduler.unpin_all, limiter=limiter)
-                for chunk, exc in leaked:
-                    self._log.error(
-                        "unpin.failed",
-                        chunk=chunk.index,
-                        offset=chunk.offset,
-                        nbytes=chunk.nbytes,
-                        error=str(exc),
-                        action="left mapped (leaked): no device access can hit freed memory",
-                    )
-                self._leaked = len(leaked)
-                # munmap of many GiB takes tens of ms: off the event loop too.
-                keep = [chunk for chunk, _ in leaked]
-                unmapped = await anyio.to_thread.run_sync(
-                    lambda: region.release(keep=keep), limiter=limiter
-                )
-                if not unmapped:
-                    self._log.warning(
-                        "region.kept_by_views",
-                        nbytes=region.nbytes,
-                        action="unpinned; the range stays mapped until the last view of it is gone",
-                    )
+                await opened.close_in_order(self._tasks, self._log)
             finally:
                 await self._tasks.aclose()  # no task outlives the close (a no-op if done)
                 self._pinned.resolve(
@@ -449,7 +314,7 @@ class OffloadManager:
                 self._state = ManagerState.CLOSED
                 self._closed_event.set()
                 self._log.info(
-                    "manager.closed", close_seconds=self._close_seconds, leaked_chunks=self._leaked
+                    "manager.closed", close_seconds=self._close_seconds, leaked_chunks=opened.leaked
                 )
 
     # -- queries ----------------------------------------------------------------------
@@ -485,7 +350,7 @@ class OffloadManager:
 
     @property
     def region_name(self) -> str | None:
-        return self._region.name if self._region is not None else self._config.name
+        return self._opened.region.name if self._opened is not None else self._config.name
 
     def pinning_paused(self) -> PausedContext:
         """Hold pin and unpin calls: ``with`` from any thread, or ``async with``.
@@ -502,35 +367,29 @@ class OffloadManager:
         """A uint8 tensor over part of the region. It keeps that memory mapped while it
         lives, past close too (then no longer pinned): drop it to give the memory back."""
         self._check_process()
-        if self._state is not ManagerState.OPEN or self._region is None:
+        if self._state is not ManagerState.OPEN or self._opened is None:
             raise anyio.ClosedResourceError("the manager is not open")
-        return self._region.view(offset, nbytes)
+        return self._opened.region.view(offset, nbytes)
 
     async def measure_hugepages(self) -> int:
         """Bytes of the region backed by huge pages, measured now in a worker thread
         (reading /proc/self/smaps walks every mapping of the process: 100+ ms in a CUDA
         process, so never on the event loop); ``stats().hugepage_bytes`` keeps the value."""
         self._check_process()
-        region = self._region
-        if self._state is not ManagerState.OPEN or region is None:
+        if self._state is not ManagerState.OPEN or self._opened is None:
             raise anyio.ClosedResourceError("the manager is not open")
-        self._hugepage_bytes = await anyio.to_thread.run_sync(region.hugepage_bytes)
+        self._hugepage_bytes = await anyio.to_thread.run_sync(self._opened.region.hugepage_bytes)
         return self._hugepage_bytes
 
-    def _seconds_to_pinned(self) -> float | None:
-        scheduler = self._scheduler
-        return scheduler.seconds_to_pinned if scheduler is not None else None
-
-    def _gib_per_s(self) -> float | None:
-        seconds = self._seconds_to_pinned()
-        return self._nbytes / (1 << 30) / seconds if seconds else None
-
     def stats(self) -> ManagerStats:
-        scheduler, region = self._scheduler, self._region
+        opened = self._opened
+        scheduler = opened.scheduler if opened is not None else None
+        region = opened.region if opened is not None else None
+        router = opened.router if opened is not None else None
         if self._forked():
             scheduler = None  # its chunks are pinned in the parent, not here
+        seconds = scheduler.seconds_to_pinned if scheduler is not None else None
         error = self._pinned.error
-        router = self._router
         counts = router.counts if router is not None else TransferCounts()
         return ManagerStats(
             state=self.state.value,
@@ -541,10 +400,10 @@ class OffloadManager:
             chunks_total=len(scheduler.chunks) if scheduler else 0,
             chunks_pinned=scheduler.chunks_pinned if scheduler else 0,
             pinned_bytes=scheduler.pinned_bytes if scheduler else 0,
-            chunks_leaked=self._leaked,
+            chunks_leaked=opened.leaked if opened is not None else 0,
             seconds_to_enter=self._seconds_to_enter,
-            seconds_to_pinned=self._seconds_to_pinned(),
-            pin_gib_per_s=self._gib_per_s(),
+            seconds_to_pinned=seconds,
+            pin_gib_per_s=self._nbytes / (1 << 30) / seconds if seconds else None,
             hugepages=self._config.hugepages,
             hugepage_bytes=self._hugepage_bytes,
             slowest_pin_seconds=scheduler.slowest_pin_seconds if scheduler else 0.0,
@@ -573,9 +432,9 @@ class OffloadManager:
         self._check_process()
         if self._state is not ManagerState.OPEN:
             raise anyio.ClosedResourceError("the manager is not open")
-        if self._host_blocks is None:
+        if self._opened is None or self._opened.host_blocks is None:
             raise ConfigError("this manager has no KV layout (use OffloadManager.for_kv)")
-        return self._host_blocks
+        return self._opened.host_blocks
 
     def store(
         self,
@@ -618,9 +477,14 @@ class OffloadManager:
                 "entered the manager); from another thread, go through "
                 "anyio.from_thread.run_sync"
             )
-        if self._router is None:
+        router = self._opened.router if self._opened is not None else None
+        if router is None:
             raise ConfigError("this manager has no KV layout (use OffloadManager.for_kv)")
-        return self._router.submit(direction, gpu_block_ids, cpu_block_ids, method)
+        return router.submit(direction, gpu_block_ids, cpu_block_ids, method)
+
+    @property
+    def _engine(self) -> TransferEngine | None:
+        return self._opened.engine if self._opened is not None else None
 
     def add_transfer_observer(self, observer: Callable[[Transfer], None]) -> None:
         """Call ``observer(transfer)`` on the event loop as each transfer of this manager

@@ -123,6 +123,8 @@ class PinScheduler:
     # -- pipeline ---------------------------------------------------------------------
 
     async def run(self) -> None:
+        chunk_bytes = self.chunks[0].nbytes if self.chunks else 0
+        self._log.info("pin.started", chunks=len(self.chunks), chunk_bytes=chunk_bytes)
         try:
             send, receive = anyio.create_memory_object_stream[Chunk](math.inf)
             prefault_limiter = anyio.CapacityLimiter(self._prefault_threads)

@@ -1,0 +1,212 @@
+"""What an open manager holds, made in order when it enters and released in the close
+order when it closes: the region, the pin pipeline over its chunks, and for KV the
+engine with the router in front of it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import torch
+
+from asyncpin import _sys
+from asyncpin._config import ManagerConfig
+from asyncpin._router import TransferRouter
+from asyncpin._tasks import OwnedTasks
+from asyncpin.abc import EngineSetup, PinBackend, TransferEngine
+from asyncpin.engines import make_engine
+from asyncpin.errors import ConfigError, PreflightError
+from asyncpin.gate import PauseGate
+from asyncpin.kv import KVLayout
+from asyncpin.pinning import PinnedSignal, PinScheduler
+from asyncpin.region import HostRegion
+from asyncpin.transfers import Transfer, host_blocks_view
+
+__all__ = ["Opened"]
+
+
+class Opened:
+    """The resources of one open manager. ``open()`` makes them (releasing what it made
+    if it fails or is cancelled); ``close_in_order()`` releases them, once."""
+
+    def __init__(self, region: HostRegion, scheduler: PinScheduler) -> None:
+        self.region = region
+        self.scheduler = scheduler
+        self.engine: TransferEngine | None = None
+        self.router: TransferRouter | None = None
+        self.host_blocks: torch.Tensor | None = None
+        self.leaked = 0
+
+    @classmethod
+    async def open(
+        cls,
+        config: ManagerConfig,
+        backend: PinBackend,
+        *,
+        chunk_bytes: int,
+        gate: PauseGate,
+        pinned: PinnedSignal,
+        tasks: OwnedTasks,
+        observers: list[Callable[[Transfer], None]],
+        log: Any,
+        started_at: float,
+    ) -> Opened:
+        """Map the region and make the pipeline; for KV, the engine, prepared in a worker
+        thread (compiling a copy kernel can take a second). Pinning is not started."""
+        region = _map_region(config, backend, log)
+        opened: Opened | None = None
+        try:
+            layout = config.kv_layout
+            if layout is not None:
+                needed = config.num_host_blocks * layout.host_block_bytes
+                if region.nbytes < needed:
+                    raise ConfigError(
+                        f"shared region {config.name!r} holds {region.nbytes} bytes: too small "
+                        f"for {config.num_host_blocks} host blocks of "
+                        f"{layout.host_block_bytes} bytes ({needed} bytes)"
+                    )
+            scheduler = PinScheduler(
+                region,
+                backend,
+                region.chunks(chunk_bytes),
+                prefault_threads=config.prefault_threads,
+                pin_threads=config.pin_threads,
+                pin_interval_s=config.pin_interval_s,
+                gate=gate,
+                pinned=pinned,
+                log=log,
+                started_at=started_at,
+            )
+            opened = cls(region, scheduler)
+            tasks.bind()
+            if layout is not None:
+                engine = opened._open_engine(config, layout, chunk_bytes, tasks, observers, log)
+                await anyio.to_thread.run_sync(engine.prepare)
+        except BaseException:  # a cancellation included
+            if opened is not None:
+                opened.drop_engine()
+            region.release()
+            raise
+        return opened
+
+    def _open_engine(
+        self,
+        config: ManagerConfig,
+        layout: KVLayout,
+        chunk_bytes: int,
+        tasks: OwnedTasks,
+        observers: list[Callable[[Transfer], None]],
+        log: Any,
+    ) -> TransferEngine:
+        """The engine and the router in front of it, over the region's host blocks."""
+        self.host_blocks = host_blocks_view(self.region.view(), layout, config.num_host_blocks)
+        setup = EngineSetup(layout, self.host_blocks, chunk_bytes, tasks.start_soon)
+        self.engine = make_engine(config.engine, setup)
+        self.router = TransferRouter(
+            layout=layout,
+            num_host_blocks=config.num_host_blocks,
+            engine=self.engine,
+            table=self.scheduler.table,
+            region=self.region,
+            policy=config.unpinned_policy,
+            start_soon=tasks.start_soon,
+            observers=observers,
+            log=log,
+        )
+        return self.engine
+
+    def drop_engine(self) -> None:
+        """Close the engine at once (an entry that failed: no transfer ever ran)."""
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = None
+        self.host_blocks = None  # the manager's own view: it must not hold the range
+
+    async def close_in_order(self, tasks: OwnedTasks, log: Any) -> None:
+        """Stop pinning → wait for the pipeline's calls and the transfers' device work →
+        end the manager's tasks → close the engine → unpin every pinned chunk once →
+        release the mapping. Call it shielded, once."""
+        scheduler, region = self.scheduler, self.region
+        scheduler.stop()
+        log.info("manager.closing", pinned_bytes=scheduler.pinned_bytes)
+        await scheduler.done.wait()
+        if self.router is not None:
+            await self.router.drained()  # in-flight transfers' device work
+        # What is left of the manager's tasks (a sweep between periods, a copy task
+        # settling its transfer) ends before the engine closes.
+        await tasks.aclose()
+        # Its own thread slot: the application's default pool may be full.
+        limiter = anyio.CapacityLimiter(1)
+        if self.engine is not None:
+            # Off the loop: it joins the engine's threads, and a completion waiter may be
+            # held at the capture gate until a capture ends.
+            await anyio.to_thread.run_sync(self.engine.close, limiter=limiter)
+        # The manager's own views go, so that only the application's can keep the address
+        # range mapped past close.
+        self.engine = None
+        self.host_blocks = None
+        leaked = await anyio.to_thread.run_sync(scheduler.unpin_all, limiter=limiter)
+        for chunk, exc in leaked:
+            log.error(
+                "unpin.failed",
+                chunk=chunk.index,
+                offset=chunk.offset,
+                nbytes=chunk.nbytes,
+                error=str(exc),
+                action="left mapped (leaked): no device access can hit freed memory",
+            )
+        self.leaked = len(leaked)
+        # munmap of many GiB takes tens of ms: off the event loop too.
+        keep = [chunk for chunk, _ in leaked]
+        unmapped = await anyio.to_thread.run_sync(
+            lambda: region.release(keep=keep), limiter=limiter
+        )
+        if not unmapped:
+            log.warning(
+                "region.kept_by_views",
+                nbytes=region.nbytes,
+                action="unpinned; the range stays mapped until the last view of it is gone",
+            )
+
+
+def _map_region(config: ManagerConfig, backend: PinBackend, log: Any) -> HostRegion:
+    if config.attach:
+        assert config.name is not None
+        return HostRegion.attach(
+            config.name,
+            hugepages=config.hugepages,
+            preflight=backend.preflight,
+            layout=config.layout_description(),
+        )
+    _preflight(config, backend)
+    region = HostRegion.create(
+        config.nbytes,
+        backing=config.backing,
+        name=config.name,
+        hugepages=config.hugepages,
+        layout=config.layout_description(),
+    )
+    if region.reclaimed_stale:
+        log.warning(
+            "region.reclaimed_stale",
+            region_name=region.name,
+            reason="its creator was gone; the new region replaces it",
+        )
+    return region
+
+
+def _preflight(config: ManagerConfig, backend: PinBackend) -> None:
+    available = _sys.mem_available_bytes()
+    # A hugetlb region comes from the reserved pool, which MemAvailable leaves out; the
+    # pool itself is checked when the region is mapped.
+    if config.hugepages != "hugetlb" and config.nbytes > available:
+        raise PreflightError(
+            "memory",
+            config.nbytes,
+            available,
+            "ask for a smaller buffer or free memory (MemAvailable and the cgroup memory "
+            "limit both count)",
+        )
+    backend.preflight(config.nbytes)
