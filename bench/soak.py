@@ -2,6 +2,7 @@
 CUDA graph captures through the capture gate in between.
 
     python3 bench/soak.py --seconds 200 --json-out soak.json
+    python3 bench/soak.py --quick      # a few small cycles; the host engine without a GPU
 
 Each cycle opens a 4 GiB manager for a Llama-8B-like KV layout (64 arrays of 32 KiB
 blocks; 2048 host blocks of 2 MiB), alternating the unpinned policy (wait / pageable).
@@ -10,14 +11,12 @@ fresh random data, each checked byte for byte on the GPU; graph captures run thr
 ``install_capture_gate()``. Some cycles close with transfers still in flight or with a
 waiter cancelled. After every close: the region is unmapped, no chunk is still
 registered, and locked bytes, mappings and GPU memory are back to their baseline.
+Figures: bench/RESULTS.md#soak.
 """
 
 from __future__ import annotations
 
-import argparse
-import ctypes
 import gc
-import json
 import random
 import sys
 import time
@@ -27,55 +26,35 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import structlog
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Appended, not prepended: the asyncpin under test is the one PYTHONPATH names first.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from asyncpin import KVLayout, OffloadManager, install_capture_gate
-from asyncpin._sys import vm_locked_bytes
-from asyncpin.cuda import _cudart
+from asyncpin import KVLayout, OffloadManager, capture_gate, install_capture_gate
 from asyncpin.testing import is_mapped
-from asyncpin.transfers import Method
-from bench._gpu import require_gpu
+from bench._common import (
+    parser,
+    quiet_logs,
+    require_gpu,
+    rss_bytes,
+    still_registered,
+    vm_locked_bytes,
+    write_json,
+)
 
 HOST_BLOCKS, GPU_BLOCKS, LAYERS = 2048, 1024, 32
-METHODS: tuple[Method, ...] = ("auto", "batch", "pack", "kernel")
-
-
-class _PointerAttributes(ctypes.Structure):
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("device", ctypes.c_int),
-        ("devicePointer", ctypes.c_void_p),
-        ("hostPointer", ctypes.c_void_p),
-        ("reserved", ctypes.c_byte * 256),  # room for fields newer runtimes add
-    ]
-
-
-def registered(addresses: list[int]) -> int:
-    """How many of ``addresses`` CUDA still knows as registered host memory."""
-    lib = _cudart()
-    assert lib is not None
-    count = 0
-    for address in addresses:
-        attrs = _PointerAttributes()
-        code = lib.cudaPointerGetAttributes(ctypes.byref(attrs), ctypes.c_void_p(address))
-        lib.cudaGetLastError()
-        count += code == 0 and attrs.type != 0  # 0: cudaMemoryTypeUnregistered
-    return count
+METHODS = ("auto", "batch", "pack", "kernel")
 
 
 def usage() -> dict[str, int]:
     """Locked bytes, GPU memory held by tensors; mappings and RSS (for the record only:
     worker threads come and go)."""
-    status = Path("/proc/self/status").read_text().splitlines()
-    rss = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
     return {
         "locked": vm_locked_bytes(),
-        "gpu": torch.cuda.memory_allocated(),
+        "gpu": torch.cuda.memory_allocated() if torch.cuda.is_available() else 0,
         "maps": len(Path("/proc/self/maps").read_text().splitlines()),
-        "rss": rss,
+        "rss": rss_bytes(),
     }
 
 
@@ -86,32 +65,46 @@ def graph_step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 class Soak:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, quick: bool) -> None:
         self.rng = random.Random(seed)
+        self.cuda = torch.cuda.is_available()
+        self.device = "cuda" if self.cuda else "cpu"
+        # Quick: 2 arrays, 32 host blocks of 64 KiB (2 MiB, within a small RLIMIT_MEMLOCK).
+        layers, self.gpu_blocks, self.host_blocks = (
+            (1, 64, 32) if quick else (LAYERS, GPU_BLOCKS, HOST_BLOCKS)
+        )
         tensors = [
-            torch.empty(GPU_BLOCKS, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
-            for _ in range(2 * LAYERS)
+            torch.empty(self.gpu_blocks, 16, 8, 128, dtype=torch.bfloat16, device=self.device)
+            for _ in range(2 * layers)
         ]
         self.layout = KVLayout.from_tensors(tensors)
-        self.x = torch.randn(256, 256, device="cuda")
-        self.w = torch.randn(256, 256, device="cuda") / 16
+        self.counts: Counter[str] = Counter()
+        self.errors: list[str] = []
+        self.methods = METHODS if self.cuda else ("auto",)
+        self.x = torch.randn(256, 256, device=self.device)
+        self.w = torch.randn(256, 256, device=self.device) / 16
+        if not self.cuda:
+            return
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # lazy cuBLAS set-up must not happen in a capture
             graph_step(self.x, self.w)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        self.counts: Counter[str] = Counter()
-        self.errors: list[str] = []
 
     def fill(self, gpu: list[int]) -> None:
-        ids = torch.tensor(gpu, device="cuda")
+        ids = torch.tensor(gpu, device=self.device)
         for array in self.layout.arrays:
             array.view(torch.int16)[ids] = torch.randint(
-                -(2**15), 2**15, (len(gpu), *array.shape[1:]), dtype=torch.int16, device="cuda"
+                -(2**15), 2**15, (len(gpu), *array.shape[1:]), dtype=torch.int16, device=self.device
             )
 
     def capture(self) -> None:
+        if not self.cuda:  # no graphs without a GPU: hold the gate as a capture would
+            with capture_gate():
+                graph_step(self.x, self.w)
+            self.counts["captures"] += 1
+            return
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
@@ -130,30 +123,33 @@ class Soak:
         """A random store, verified; then a load of those host blocks elsewhere, verified."""
         rng, layout = self.rng, self.layout
         n = rng.choice((1, 1, 2, 4, 16, 64, 300))
-        gpu = rng.sample(range(GPU_BLOCKS), n)
-        cpu = rng.sample(range(HOST_BLOCKS), n)
-        method = rng.choice(METHODS)
+        n = min(n, self.host_blocks)
+        gpu = rng.sample(range(self.gpu_blocks), n)
+        cpu = rng.sample(range(self.host_blocks), n)
+        method: Any = rng.choice(self.methods)
         self.fill(gpu)
         store = mgr.store(gpu, cpu, method=method)
         self.counts[f"store_{store.method}_{store.path}"] += 1
         await store
         # Compared as int16: random bit patterns hold NaNs, which never equal themselves.
-        host = mgr.host_blocks()[cpu].to("cuda").view(torch.int16)
+        host = mgr.host_blocks()[cpu].to(self.device).view(torch.int16)
         for a, array in enumerate(layout.arrays):
             self.counts["mismatches"] += int(
                 not torch.equal(host[:, a], array.view(torch.int16)[gpu])
             )
         self.counts["bytes_verified"] += store.nbytes
-        dest = rng.sample(range(GPU_BLOCKS), n)
+        dest = rng.sample(range(self.gpu_blocks), n)
         self.fill(dest)  # what the load must overwrite
-        load = mgr.load(cpu, dest, method=rng.choice(METHODS))
+        load_method: Any = rng.choice(self.methods)
+        load = mgr.load(cpu, dest, method=load_method)
         self.counts[f"load_{load.method}_{load.path}"] += 1
         if rng.random() < 0.1:  # a cancelled waiter leaves the copy alone
             with anyio.move_on_after(0):
                 await load
             self.counts["waits_cancelled"] += 1
         await load
-        torch.cuda.current_stream().wait_event(load.event)
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(load.event)
         for a, array in enumerate(layout.arrays):
             self.counts["mismatches"] += int(
                 not torch.equal(array.view(torch.int16)[dest], host[:, a])
@@ -162,9 +158,7 @@ class Soak:
 
     async def cycle(self, index: int) -> None:
         policy: Any = "pageable" if index % 2 else "wait"
-        mgr = OffloadManager.for_kv(
-            self.layout, HOST_BLOCKS, backend="cuda", unpinned_policy=policy
-        )
+        mgr = OffloadManager.for_kv(self.layout, self.host_blocks, unpinned_policy=policy)
         base = usage()
         async with mgr:
             address, nbytes = mgr.host_view().data_ptr(), mgr.nbytes
@@ -180,8 +174,10 @@ class Soak:
                 self.capture()
                 await self.round(mgr)
             if index % 3 == 0:  # close with a transfer in flight
-                torch.cuda._sleep(20_000_000)
-                inflight = mgr.store(list(range(64)), list(range(64)))
+                if self.cuda:
+                    torch.cuda._sleep(20_000_000)
+                some = list(range(min(64, self.host_blocks)))
+                inflight = mgr.store(some, some)
                 self.counts["closed_with_transfer_in_flight"] += 1
         if index % 3 == 0 and (not inflight.done() or inflight.error is not None):
             self.errors.append(f"cycle {index}: the in-flight store did not complete")
@@ -197,7 +193,7 @@ class Soak:
         after = usage()
         if is_mapped(address, nbytes):
             self.errors.append(f"cycle {index}: the region is still mapped")
-        still = registered(chunks)
+        still = still_registered(chunks) if self.cuda else 0
         if still:
             self.errors.append(f"cycle {index}: {still} chunks still registered")
         # Cycle 0 warms up for good (cuBLAS workspaces, graph pools, worker threads);
@@ -207,14 +203,14 @@ class Soak:
                 self.errors.append(f"cycle {index}: {key} {base[key]} -> {after[key]}")
 
 
-async def main(args: argparse.Namespace) -> dict[str, Any]:
-    soak = Soak(args.seed)
+async def main(args: Any) -> dict[str, Any]:
+    soak = Soak(args.seed, args.quick)
     start = usage()
-    handle = install_capture_gate()
+    handle = install_capture_gate() if soak.cuda else None
     t0 = time.perf_counter()
     try:
         index, after_warm_up = 0, {}
-        while time.perf_counter() - t0 < args.seconds:
+        while time.perf_counter() - t0 < args.seconds or index < args.min_cycles:
             await soak.cycle(index)
             if index == 0:
                 after_warm_up = usage()
@@ -223,7 +219,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     first = tracemalloc.take_snapshot()
             index += 1
     finally:
-        handle.uninstall()
+        if handle is not None:
+            handle.uninstall()
     end = usage()
     python_growth: dict[str, Any] = {}
     if args.tracemalloc and tracemalloc.is_tracing():
@@ -245,21 +242,23 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seconds", type=float, default=200)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument(
+    p = parser(__doc__)
+    p.add_argument("--seconds", type=float, default=200)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
         "--tracemalloc", action="store_true", help="trace Python allocations after cycle 0"
     )
-    parser.add_argument("--json-out", default=None)
-    args = parser.parse_args()
-    require_gpu()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
+    args = p.parse_args()
+    args.min_cycles = 0
+    if args.quick:
+        args.seconds, args.min_cycles = 0.0, 3
+    else:
+        require_gpu()
+    quiet_logs()
     report = anyio.run(main, args)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    write_json(args.json_out, report)
     c = report["counts"]
-    print(f"\nsoak {report['seconds']:.0f} s: {c.get('cycles', 0)} cycles of 4 GiB")
+    print(f"\nsoak {report['seconds']:.0f} s: {c.get('cycles', 0)} cycles")
     for key in sorted(c):
         print(f"  {key:40} {c[key]}")
     print(f"  start {report['start']}\n  after cycle 0 {report['after_first_cycle']}")
@@ -273,3 +272,4 @@ if __name__ == "__main__":
         for line in growth["top"][:6]:
             print(f"    {line}")
     print(f"errors ({len(report['errors'])}): {report['errors'][:10]}")
+    raise SystemExit(1 if report["errors"] or c.get("mismatches") else 0)

@@ -1,22 +1,24 @@
-"""Which of the transfer engine's CUDA calls break a CUDA graph capture on another thread?
+"""CUDA graph captures on one thread while asyncpin transfers on another: none may fail.
 
-    python3 bench/capture_probe.py --json-out $OUT/capture_probe.json
+    python3 bench/capture.py --json-out capture.json
+    python3 bench/capture.py --case engine --seconds 30
+    python3 bench/capture.py --quick     # the engine case for 1 s; without a GPU, the host
+                                         # engine, and holding capture_gate() as a capture
 
 A capture in torch's default mode ("global") forbids "potentially unsafe" API calls in
 every other thread while it lasts; such a call fails and invalidates the capture. The
-pause gate keeps pin/unpin calls out of captures. This probe asks the same of each call
-the transfer engine makes from its threads (the loop's, the store submitter's and the
-completion waiters'): the main thread begins a capture, a second thread makes the call
-while it is open, then the capture ends and the graph is replayed and checked. Each case
-runs in a fresh process, so a failure cannot leak into the next.
+torch-level cases show which calls those are: the main thread begins a capture, a second
+thread makes the call while it is open, then the capture ends and the graph is replayed
+and checked. Each case runs in a fresh process, so a failure cannot leak into the next.
 
-Last, ``engine``: an event loop in a second thread runs store/load round trips through an
+``engine``: an event loop in a second thread runs store/load round trips through an
 OffloadManager while the main thread captures graphs through ``install_capture_gate()``.
+Counts captures and transfers and their failures (both must be 0).
+Figures: bench/RESULTS.md#capture.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -28,17 +30,13 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Appended, not prepended: the asyncpin under test is the one PYTHONPATH names first.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from bench._gpu import require_gpu
+from bench._common import parser, quiet_logs, require_gpu, write_json
 
 CASES = [
     "nothing",
-    "event_record_raw",
-    "event_record_legacy_stream",
-    "stream_wait_raw",
-    "batch_copy_raw",
-    "memcpy_async_raw",
     "event_query",
     "event_synchronize_done",
     "event_synchronize_pending",
@@ -47,8 +45,6 @@ CASES = [
     "pin_memory_new",
     "kernel_launch",
     "device_alloc_new",
-    "upload_during_call",
-    "upload_2mib_behind_busy_stream",
     "engine",
 ]
 
@@ -58,13 +54,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def one_case(case: str) -> dict[str, Any]:
-    from asyncpin.engines.cuda import _Runtime
-
-    rt = _Runtime()
     side = torch.cuda.Stream()
-    host = torch.empty(1 << 20, dtype=torch.uint8).pin_memory()
+    _host = torch.empty(1 << 20, dtype=torch.uint8).pin_memory()
     dev = torch.randint(0, 255, (4 << 20,), dtype=torch.uint8, device="cuda")
-    raw_event = rt.event()
     done_event = torch.cuda.Event(blocking=True)
     done_event.record(side)
     torch.cuda.synchronize()
@@ -75,23 +67,7 @@ def one_case(case: str) -> dict[str, Any]:
             pending.record(side)
 
     def act() -> None:
-        if case == "event_record_raw":
-            rt.record(raw_event, side.cuda_stream)
-        elif case == "event_record_legacy_stream":
-            rt.record(raw_event, 0)
-        elif case == "stream_wait_raw":
-            rt.wait(side.cuda_stream, raw_event)
-        elif case == "batch_copy_raw":
-            import array
-
-            a = [array.array("Q", [x]) for x in (host.data_ptr(), dev.data_ptr(), 1 << 20)]
-            rt.copy_segments(a[0], a[1], a[2], side.cuda_stream)
-        elif case == "memcpy_async_raw":
-            code = rt.lib.cudaMemcpyAsync(
-                host.data_ptr(), dev.data_ptr(), 1 << 20, 4, side.cuda_stream
-            )
-            rt._check("cudaMemcpyAsync", code)
-        elif case == "event_query":
+        if case == "event_query":
             done_event.query()
         elif case == "event_synchronize_done":
             done_event.synchronize()
@@ -106,18 +82,6 @@ def one_case(case: str) -> dict[str, Any]:
         elif case == "device_alloc_new":
             with torch.cuda.stream(side):
                 torch.empty(300 << 20, dtype=torch.uint8, device="cuda")
-        elif case == "upload_during_call":
-            import array
-
-            rt.upload(dev.data_ptr(), array.array("q", range(1000)), side.cuda_stream)
-        elif case == "upload_2mib_behind_busy_stream":
-            # An id upload of a 4 GiB job of 32 KiB blocks, queued behind ~150 ms of work:
-            # does the call wait for the stream (it would hold the event loop)?
-            import array
-
-            with torch.cuda.stream(side):
-                torch.cuda._sleep(300_000_000)
-            rt.upload(dev.data_ptr(), array.array("q", range(1 << 18)), side.cuda_stream)
         elif case == "kernel_launch":
             with torch.cuda.stream(side):
                 dev.add_(1)
@@ -173,11 +137,13 @@ def one_case(case: str) -> dict[str, Any]:
 def engine_case(seconds: float) -> dict[str, Any]:
     import asyncio
 
-    from asyncpin import KVLayout, OffloadManager, install_capture_gate
-    from asyncpin.transfers import Method
+    from asyncpin import KVLayout, OffloadManager, capture_gate, install_capture_gate
 
-    n = 512
-    tensors = [torch.randn(n, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(64)]
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    # Without a GPU: 2 arrays, 64 host blocks of 64 KiB (within a small RLIMIT_MEMLOCK).
+    n, arrays = (512, 64) if cuda else (64, 2)
+    tensors = [torch.randn(n, 16, 8, 128, device=device).to(torch.bfloat16) for _ in range(arrays)]
     layout = KVLayout.from_tensors(tensors)
     counts = {"captures": 0, "capture_errors": 0, "transfers": 0, "transfer_errors": 0}
     errors: list[str] = []
@@ -185,14 +151,14 @@ def engine_case(seconds: float) -> dict[str, Any]:
     ready = threading.Event()
 
     async def transfers() -> None:
-        async with OffloadManager.for_kv(layout, n, backend="cuda") as mgr:
-            await mgr.pinned  # no warm-up: the manager compiled its kernels at open
+        async with OffloadManager.for_kv(layout, n) as mgr:
+            await mgr.pinned  # no warm-up: the manager prepares its device work at open
             ready.set()
-            methods: tuple[Method, ...] = ("pack", "batch", "kernel", "auto")
+            methods: tuple[Any, ...] = ("pack", "batch", "kernel", "auto") if cuda else ("auto",)
             k = 0
             while not stop.is_set():
                 ids = torch.randperm(n)[:64].tolist()
-                method = methods[k % 4]
+                method = methods[k % len(methods)]
                 pairs = [(mgr.store, ids, ids), (mgr.load, ids, ids), (mgr.store, ids[:1], ids[:1])]
                 for call, a, b in pairs:
                     try:
@@ -211,24 +177,30 @@ def engine_case(seconds: float) -> dict[str, Any]:
             errors.append("loop: " + _first_line(exc))
             ready.set()
 
-    handle = install_capture_gate()
+    handle = install_capture_gate() if cuda else None
     t = threading.Thread(target=loop_thread)
     t.start()
     ready.wait(120)
-    x = torch.ones(1 << 16, device="cuda")
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        y = x * 2  # warm-up outside the capture
-    torch.cuda.synchronize()
+    x = torch.ones(1 << 16, device=device)
+    if cuda:
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            y = x * 2  # warm-up outside the capture
+        torch.cuda.synchronize()
     end = time.monotonic() + seconds
     while time.monotonic() < end and t.is_alive():
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
-                y = x * 2
-                for _ in range(50):
-                    y = y * 1
-            graph.replay()
+            if cuda:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    y = x * 2
+                    for _ in range(50):
+                        y = y * 1
+                graph.replay()
+            else:  # no graphs without a GPU: hold the gate as a capture would
+                with capture_gate():
+                    y = x * 2
+                time.sleep(0.001)
         except BaseException as exc:
             counts["capture_errors"] += 1
             if len(errors) < 20:
@@ -236,38 +208,43 @@ def engine_case(seconds: float) -> dict[str, Any]:
         counts["captures"] += 1
     stop.set()
     t.join(120)
-    handle.uninstall()
+    if handle is not None:
+        handle.uninstall()
     try:
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         after = "ok"
     except BaseException as exc:
         after = _first_line(exc)
     return {"case": "engine", **counts, "after": after, "errors": errors[:20]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--case")
-    parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--json-out")
-    args = parser.parse_args()
-    require_gpu()
+def main() -> int:
+    p = parser(__doc__)
+    p.add_argument("--case", choices=CASES)
+    p.add_argument("--seconds", type=float, default=20.0, help="of the engine case")
+    args = p.parse_args()
+    quiet_logs()
+    if args.quick:
+        args.case, args.seconds = "engine", 1.0
+    else:
+        require_gpu()
     if args.case:
         out = engine_case(args.seconds) if args.case == "engine" else one_case(args.case)
         print(json.dumps(out))
-        return
+        write_json(args.json_out, {"results": [out]})
+        return 1 if out.get("capture_errors") or out.get("transfer_errors") else 0
     results = []
     for case in CASES:
         cmd = [sys.executable, __file__, "--case", case, "--seconds", str(args.seconds)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if lines:
             results.append(json.loads(lines[-1]))
         else:
             results.append({"case": case, "rc": proc.returncode, "stderr": proc.stderr[-800:]})
         print(json.dumps(results[-1]), flush=True)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(results, indent=1))
+    write_json(args.json_out, {"results": results})
     print(f"\n{'case':32} {'call':44} capture")
     for r in results:
         if r["case"] == "engine":
@@ -278,7 +255,8 @@ def main() -> None:
         else:
             call = f"{str(r.get('call'))[:30]} ({r.get('call_ms')} ms)"
             print(f"{r['case']:32} {call:44} {r.get('capture', r.get('stderr'))}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
