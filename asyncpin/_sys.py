@@ -24,6 +24,7 @@ __all__ = [
     "LibcError",
     "cgroup_memory",
     "has_cap_ipc_lock",
+    "hugepage_bytes",
     "libc_madvise",
     "libc_mlock",
     "libc_mmap",
@@ -168,6 +169,23 @@ def _cgroup_headroom_bytes() -> int | None:
     """Bytes left under this process's cgroup memory limit (v2 or v1), None if unlimited."""
     cgroup = cgroup_memory()
     return None if cgroup is None else cgroup.headroom_bytes
+
+
+def hugepage_bytes(start: int, end: int) -> int:
+    """Bytes of the mappings overlapping ``[start, end)`` backed by huge pages, transparent
+    or hugetlb (from /proc/self/smaps)."""
+    total = 0
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo < end and hi > start
+        elif inside and line.startswith(
+            ("AnonHugePages:", "ShmemPmdMapped:", "Private_Hugetlb:", "Shared_Hugetlb:")
+        ):
+            total += int(line.split()[1]) * 1024
+    return total
 
 
 def meminfo() -> dict[str, int]:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from asyncpin import _sys
-from asyncpin.region import SHM_DIR, shm_free_bytes, stale_regions
+from asyncpin.shm import SHM_DIR, shm_free_bytes, stale_regions
 
 __all__ = ["Check", "CudaInfo", "Memlock", "Status", "render", "run_checks", "worst"]
 
@@ -335,7 +335,7 @@ def _check_stale(names: list[str]) -> Check:
         "warn",
         f"{len(names)} left by a creator that is gone: {', '.join(names)}",
         "a new creator of the same name reclaims it; or remove it with "
-        "`python -c 'import asyncpin.region as r; r.unlink_stale(\"NAME\")'` (processes "
+        "`python -c 'import asyncpin.shm as s; s.unlink_stale(\"NAME\")'` (processes "
         "still attached keep their mappings)",
     )
 

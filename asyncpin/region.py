@@ -1,63 +1,59 @@
 """HostRegion: one host mapping for KV blocks, cut into chunks that are pinned one by one.
 
 A region is an exact page-rounded span of virtual memory: anonymous, or a named file in
-/dev/shm that another process can attach to. Mapping costs no time that grows with its
-size; pages are faulted in later, chunk by chunk, by :meth:`HostRegion.prefault`.
+/dev/shm that another process can attach to (the file itself is :mod:`asyncpin.shm`'s).
+Mapping costs no time that grows with its size; pages are faulted in later, chunk by chunk,
+by :meth:`HostRegion.prefault`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import gc
-import json
 import mmap
 import os
-import re
-import stat
-import struct
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
+import anyio
 import torch
 
 from asyncpin import _sys
-from asyncpin.errors import ConfigError, PreflightError, RegionNotFoundError
+from asyncpin.errors import ConfigError, PreflightError
+from asyncpin.shm import (
+    RegionHeader,
+    SharedFile,
+    attach_shared,
+    create_shared,
+    file_id,
+    shm_unpromised_bytes,
+    unlink_if_same,
+    validate_name,
+)
 
 __all__ = [
+    "MAX_NBYTES",
     "Backing",
     "Chunk",
     "HostRegion",
     "HugePages",
-    "RegionHeader",
-    "is_stale",
+    "hugetlb_free_bytes",
     "round_to_pages",
-    "shm_free_bytes",
-    "stale_regions",
-    "unlink_stale",
+    "validate_backing",
+    "validate_hugepages",
+    "validate_nbytes",
 ]
 
 Backing = Literal["anonymous", "shared"]
 HugePages = Literal["thp", "hugetlb", "none"]
 
-SHM_DIR = Path("/dev/shm")
 _HUGE_PAGE = 2 << 20
 _MAP_HUGETLB = 0x40000
-_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 # Far beyond any machine's memory, and far below where size arithmetic (and size_t) wraps.
 MAX_NBYTES = 1 << 56
-
-# A shared region's file is its data followed by one header page that says it is asyncpin's.
-_MAGIC = b"ASYNCPIN-REGION\x00"
-_VERSION = 1
-_HEADER = struct.Struct("<16sIIQQI")  # magic, version, header bytes, data bytes, pid, layout len
-HEADER_BYTES = _sys.PAGE_SIZE
-_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def round_to_pages(nbytes: int) -> int:
@@ -71,52 +67,6 @@ class Chunk:
     index: int
     offset: int
     nbytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class RegionHeader:
-    """What a shared region's header page records: the data size, the creator's pid and
-    what the bytes mean (the KV layout, when the creator had one)."""
-
-    nbytes: int
-    creator_pid: int
-    layout: dict[str, Any] | None = None
-
-    def pack(self) -> bytes:
-        layout = json.dumps(self.layout, sort_keys=True).encode() if self.layout else b""
-        head = _HEADER.pack(
-            _MAGIC, _VERSION, HEADER_BYTES, self.nbytes, self.creator_pid, len(layout)
-        )
-        if len(head) + len(layout) > HEADER_BYTES:
-            raise ConfigError("the KV layout's description does not fit in a region header")
-        return (head + layout).ljust(HEADER_BYTES, b"\x00")
-
-    @classmethod
-    def read(cls, fd: int, file_size: int) -> RegionHeader | None:
-        """The header of the file open as ``fd``, or None if it is not an asyncpin region."""
-        if file_size < HEADER_BYTES + _sys.PAGE_SIZE or file_size % _sys.PAGE_SIZE:
-            return None
-        data = os.pread(fd, HEADER_BYTES, file_size - HEADER_BYTES)
-        if len(data) < _HEADER.size:
-            return None
-        magic, version, header_bytes, nbytes, pid, layout_len = _HEADER.unpack_from(data)
-        if (
-            magic != _MAGIC
-            or version != _VERSION
-            or header_bytes != HEADER_BYTES
-            or nbytes + HEADER_BYTES != file_size
-            or _HEADER.size + layout_len > HEADER_BYTES
-        ):
-            return None
-        layout = None
-        if layout_len:
-            try:
-                layout = json.loads(data[_HEADER.size : _HEADER.size + layout_len])
-            except (ValueError, RecursionError):  # anyone can write a file: forged nesting
-                return None
-            if not isinstance(layout, dict):
-                return None
-        return cls(nbytes, pid, layout)
 
 
 class _Mapping:
@@ -240,7 +190,7 @@ class HostRegion:
         #: Whether creating it removed a stale region of the same name (its creator was gone).
         self.reclaimed_stale = reclaimed_stale
         self._fd = fd
-        self._file_id = _file_id(os.fstat(fd)) if fd >= 0 else None
+        self._file_id = file_id(os.fstat(fd)) if fd >= 0 else None
         self._owner = owner
         self._pid = os.getpid()
         self._closed = False
@@ -269,13 +219,10 @@ class HostRegion:
         released, if it is still this region's.
         """
         nbytes = validate_nbytes(nbytes)
-        if hugepages not in ("thp", "hugetlb", "none"):
-            raise ConfigError(
-                f"unknown hugepages policy {hugepages!r}: use 'thp', 'hugetlb' or 'none'"
-            )
+        hugepages = validate_hugepages(hugepages)
         if hugepages == "hugetlb" and backing != "anonymous":
             raise ConfigError("hugepages='hugetlb' is available for backing='anonymous' only")
-        if backing == "anonymous":
+        if validate_backing(backing) == "anonymous":
             if name is not None:
                 raise ConfigError("name is only meaningful for backing='shared'")
             if hugepages == "hugetlb":
@@ -292,12 +239,10 @@ class HostRegion:
                 fd=-1,
                 owner=True,
             )
-        elif backing == "shared":
-            _check_name(name)
-            assert name is not None
-            region = _create_shared(cls, nbytes, name, hugepages, layout)
         else:
-            raise ConfigError(f"unknown backing {backing!r}: use 'anonymous' or 'shared'")
+            name = validate_name(name)
+            shared = create_shared(nbytes, name, layout)
+            region = cls._shared(shared, name, hugepages, owner=True)
         region._advise()
         return region
 
@@ -318,40 +263,26 @@ class HostRegion:
         ``layout`` is given, they must agree. Before anything is mapped, the memory that
         attaching would add (the part of the region not backed yet) is checked against
         MemAvailable, then ``preflight(nbytes)`` runs."""
-        _check_name(name)
-        fd, info, header = _open_own(name, os.O_RDWR)
-        try:
-            if layout is not None and header.layout is not None:
-                _check_layout(name, header.layout, layout)
-            nbytes = header.nbytes
-            unbacked = max(0, info.st_size - info.st_blocks * 512)
-            available = _sys.mem_available_bytes()
-            if unbacked > available:
-                raise PreflightError(
-                    "memory",
-                    unbacked,
-                    available,
-                    f"{unbacked} bytes of shared region {name!r} are not backed yet and "
-                    "pinning it would fault them in: free memory first",
-                )
-            if preflight is not None:
-                preflight(nbytes)
-            address = _sys.libc_mmap(nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        region = cls(
-            address=address,
-            nbytes=nbytes,
+        shared = attach_shared(name, preflight=preflight, layout=layout)
+        region = cls._shared(shared, name, hugepages, owner=False)
+        region._advise()
+        return region
+
+    @classmethod
+    def _shared(
+        cls, shared: SharedFile, name: str, hugepages: HugePages, *, owner: bool
+    ) -> HostRegion:
+        return cls(
+            address=shared.address,
+            nbytes=shared.header.nbytes,
             backing="shared",
             hugepages=hugepages,
             name=name,
-            fd=fd,
-            owner=False,
-            header=header,
+            fd=shared.fd,
+            owner=owner,
+            header=shared.header,
+            reclaimed_stale=shared.reclaimed_stale,
         )
-        region._advise()
-        return region
 
     def _advise(self) -> None:
         # Children of a fork must not inherit (and copy-on-write) pinned DMA memory.
@@ -440,7 +371,7 @@ class HostRegion:
             if exc.errno == errno.EFAULT and self.backing == "shared":
                 raise _sys.LibcError(
                     f"faulting in /dev/shm/{self.name} (the file system ran out of space: "
-                    f"{_shm_free_raw()} bytes free after what other files were promised)",
+                    f"{shm_unpromised_bytes()} bytes free after what other files were promised)",
                     errno.ENOSPC,
                 ) from exc
             raise
@@ -468,19 +399,7 @@ class HostRegion:
         """Bytes of this mapping backed by transparent huge pages (from /proc/self/smaps)."""
         if self._closed:
             return 0
-        start, end = self._address, self._address + self.nbytes
-        total = 0
-        inside = False
-        for line in Path("/proc/self/smaps").read_text().splitlines():
-            head = line.split(" ", 1)[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo < end and hi > start
-            elif inside and line.startswith(
-                ("AnonHugePages:", "ShmemPmdMapped:", "Private_Hugetlb:", "Shared_Hugetlb:")
-            ):
-                total += int(line.split()[1]) * 1024
-        return total
+        return _sys.hugepage_bytes(self._address, self._address + self.nbytes)
 
     def release(self, keep: list[Chunk] | None = None) -> bool:
         """Give the region up: unmap it except the chunks in ``keep`` (leaked on purpose),
@@ -501,7 +420,7 @@ class HostRegion:
             return False
         try:
             if self._owner and self.name is not None:
-                _unlink_if_same(self.name, self._file_id)
+                unlink_if_same(self.name, self._file_id)
         finally:
             if self._fd >= 0:
                 os.close(self._fd)
@@ -518,7 +437,7 @@ class HostRegion:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError("the region is closed")
+            raise anyio.ClosedResourceError("the region is closed")
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"0x{self._address:x}"
@@ -528,19 +447,8 @@ class HostRegion:
         )
 
 
-def validate_backing(backing: str) -> None:
-    if backing not in ("anonymous", "shared"):
-        raise ConfigError(f"unknown backing {backing!r}: use 'anonymous' or 'shared'")
-
-
-def validate_hugepages(hugepages: str) -> None:
-    if hugepages not in ("thp", "hugetlb", "none"):
-        raise ConfigError(
-            f"unknown hugepages policy {hugepages!r}: use 'thp', 'hugetlb' or 'none'"
-        )
-
-
 def validate_nbytes(nbytes: int) -> int:
+    """``nbytes`` rounded up to a page if it can size a region, else a ConfigError."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, int):
         raise ConfigError(f"nbytes must be an int, not {type(nbytes).__name__}")
     if nbytes <= 0:
@@ -550,311 +458,20 @@ def validate_nbytes(nbytes: int) -> int:
     return round_to_pages(nbytes)
 
 
-def _shm_free_raw() -> int:
-    """Free bytes in /dev/shm less the bytes this user's sparse files there were promised
-    (their size) and do not hold yet: a file's size takes no space until its pages are
-    touched, so the plain free space lets two regions promise the same memory. Other
-    users' files are not counted: any user could otherwise refuse every creator with one
-    huge empty file. Negative when over-promised."""
-    st = os.statvfs(SHM_DIR)
-    uid = os.geteuid()
-    promised = 0
-    with os.scandir(SHM_DIR) as entries:
-        for entry in entries:
-            try:
-                info = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue  # removed meanwhile
-            if stat.S_ISREG(info.st_mode) and info.st_uid == uid:
-                promised += max(0, info.st_size - info.st_blocks * 512)
-    return st.f_bavail * st.f_frsize - promised
+def validate_backing(backing: object) -> Backing:
+    """``backing`` if it is a kind of region (``'anonymous'`` or ``'shared'``), else a
+    ConfigError."""
+    if backing not in ("anonymous", "shared"):
+        raise ConfigError(f"unknown backing {backing!r}: use 'anonymous' or 'shared'")
+    return backing
 
 
-def shm_free_bytes() -> int:
-    """Bytes a new region in /dev/shm can count on (see :func:`_shm_free_raw`)."""
-    return max(0, _shm_free_raw())
-
-
-def check_shm_space(nbytes: int) -> None:
-    free = shm_free_bytes()
-    if nbytes > free:
-        raise PreflightError(
-            "shm",
-            nbytes,
-            free,
-            f"free space in {SHM_DIR} (less what other files there were promised and do "
-            f"not hold yet) or enlarge it (mount -o remount,size=... {SHM_DIR}; in docker: "
-            "--shm-size)",
-        )
-
-
-def _create_shared(
-    cls: type[HostRegion],
-    nbytes: int,
-    name: str,
-    hugepages: HugePages,
-    layout: dict[str, Any] | None,
-) -> HostRegion:
-    header = RegionHeader(nbytes, os.getpid(), layout)
-    header_page = header.pack()  # a layout too large is refused before anything is made
-    # A stale region of this name goes first: its memory must not count against its
-    # replacement (a supervisor restarting a killed server reuses the name).
-    try:
-        reclaimed_early = _exists(name) and _stale_for_sure(name) and unlink_stale(name)
-    except (ConfigError, RegionNotFoundError):
-        reclaimed_early = False  # not asyncpin's, or gone: publishing says which
-    check_shm_space(nbytes + HEADER_BYTES)
-    dir_fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        # An unnamed file, published under its name only once it is complete: a creator
-        # killed on the way leaves nothing behind.
-        fd = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
-        address = None
-        try:
-            os.fchmod(fd, 0o600)  # whatever the umask
-            # Held until this process closes the file or dies: how is_stale() tells a live
-            # creator from a killed one.
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            os.ftruncate(fd, nbytes + HEADER_BYTES)
-            os.pwrite(fd, header_page, nbytes)
-            reclaimed = _publish(fd, name, dir_fd) or reclaimed_early
-            try:
-                # Checked again with this file visible: two creators that passed the check
-                # at once must not both keep memory that only one of them can have.
-                if _shm_free_raw() < 0:
-                    raise PreflightError(
-                        "shm",
-                        nbytes,
-                        shm_free_bytes(),
-                        f"free space in {SHM_DIR}: another region took it while this one was made",
-                    )
-                address = _sys.libc_mmap(
-                    nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd
-                )
-            except BaseException:
-                _unlink_if_same(name, _file_id(os.fstat(fd)))
-                raise
-        except BaseException:
-            if address is not None:
-                _sys.libc_munmap(address, nbytes)
-            os.close(fd)
-            raise
-    finally:
-        os.close(dir_fd)
-    return cls(
-        address=address,
-        nbytes=nbytes,
-        backing="shared",
-        hugepages=hugepages,
-        name=name,
-        fd=fd,
-        owner=True,
-        header=header,
-        reclaimed_stale=reclaimed,
-    )
-
-
-def _publish(fd: int, name: str, dir_fd: int) -> bool:
-    """Give the unnamed file ``fd`` its name; True if a stale region had to go first."""
-    path = SHM_DIR / name
-    reclaimed = False
-    for _ in range(8):  # each pass loses a race with another process at most
-        try:
-            os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd)
-            return reclaimed
-        except FileExistsError:
-            pass
-        try:
-            stale = _stale_for_sure(name)
-        except RegionNotFoundError:
-            continue  # gone meanwhile
-        except ConfigError:
-            raise ConfigError(
-                f"{path} exists and is not a region made by asyncpin; pick another name"
-            ) from None
-        if not stale:
-            raise ConfigError(
-                f"a shared region named {name!r} already exists ({path}) and its creator is "
-                "alive; attach to it, or pick another name"
-            )
-        reclaimed = unlink_stale(name) or reclaimed
-    raise ConfigError(f"could not create {path}: other processes keep creating and removing it")
-
-
-def _exists(name: str) -> bool:
-    return os.path.lexists(SHM_DIR / name)
-
-
-def _stale_for_sure(name: str) -> bool:
-    """:func:`is_stale`, asked again when the answer is "live": another process probing
-    the same region (a doctor, a scan) holds its lock for a moment, which looks like a
-    live creator. A live creator's lock is there every time."""
-    for attempt in range(4):
-        if is_stale(name):
-            return True
-        if attempt < 3:
-            time.sleep(0.001 * (attempt + 1))
-    return False
-
-
-def _file_id(info: os.stat_result) -> tuple[int, int]:
-    return info.st_dev, info.st_ino
-
-
-def _unlink_if_same(name: str, file_id: tuple[int, int] | None) -> None:
-    """Unlink /dev/shm/<name> only if it is still the file ``file_id`` names."""
-    try:
-        now = os.stat(SHM_DIR / name, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    if _file_id(now) == file_id:
-        (SHM_DIR / name).unlink(missing_ok=True)
-
-
-def _open_own(name: str, flags: int) -> tuple[int, os.stat_result, RegionHeader]:
-    """Open /dev/shm/<name> if it is a region made by asyncpin, of this user.
-
-    Never follows a symbolic link; the opened file must be a regular file on the /dev/shm
-    file system, owned by this user, mode 0600, one link, with a valid header. Raises
-    RegionNotFoundError, or ConfigError saying which check failed."""
-    path = SHM_DIR / name
-    try:
-        fd = os.open(path, flags | _OPEN_FLAGS)
-    except FileNotFoundError:
-        raise RegionNotFoundError(name, str(path)) from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path} is a directory, not a shared region") from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ConfigError(
-                f"{path} is a symbolic link; refusing to follow it (not a region made by asyncpin)"
-            ) from None
-        if exc.errno in (errno.EACCES, errno.EPERM):
-            raise ConfigError(
-                f"{path} cannot be opened by uid {os.geteuid()} ({exc.strerror}): another "
-                "user's file, not a region of this user's"
-            ) from None
-        raise
-    try:
-        info = os.fstat(fd)
-        uid = os.geteuid()
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
-            raise ConfigError(
-                f"{path} is not a regular file owned by uid {uid}; refusing to attach"
-            )
-        if info.st_dev != os.stat(SHM_DIR).st_dev or info.st_nlink != 1:
-            raise ConfigError(f"{path} is linked from elsewhere; refusing to attach")
-        header = RegionHeader.read(fd, info.st_size)
-        if header is None:
-            raise ConfigError(
-                f"{path} has size {info.st_size} and no asyncpin header: not a region made by "
-                "asyncpin"
-            )
-        if stat.S_IMODE(info.st_mode) != 0o600:
-            raise ConfigError(
-                f"{path} has mode {stat.S_IMODE(info.st_mode):o}, not 0600: not a region made "
-                "by asyncpin"
-            )
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, info, header
-
-
-def _check_layout(name: str, recorded: dict[str, Any], expected: dict[str, Any]) -> None:
-    # The most telling difference first; an attacher may use fewer host blocks (the size
-    # check covers that).
-    for key in ("num_arrays", "dtype", "block_shape", "host_block_bytes"):
-        if key not in expected:
-            continue
-        if key not in recorded:
-            raise ConfigError(f"shared region {name!r} does not record its KV blocks' {key}")
-        if recorded[key] != expected[key]:
-            raise ConfigError(
-                f"shared region {name!r} holds KV blocks with {key}={recorded[key]!r}, "
-                f"not {expected[key]!r}: the creator's KV layout differs from this one"
-            )
-
-
-def is_stale(name: str) -> bool:
-    """Whether the shared region ``name`` outlived its creator: the creator died (killed,
-    say) without unlinking it. Raises RegionNotFoundError if there is no such file, and
-    ConfigError if the file is not a region made by asyncpin (of this user).
-
-    A creator holds a shared ``flock`` on its file for as long as it has the region open
-    (a child it forked without exec, which inherits the descriptor, holds it too); the
-    kernel drops it when the process dies. Attachers take no lock, so a region that
-    attachers still map is stale all the same once its creator is gone: only its name is
-    left to clean up (:func:`unlink_stale`).
-    """
-    _check_name(name)
-    fd, _, _ = _open_own(name, os.O_RDONLY)
-    try:
-        return _locked_if_stale(fd)
-    finally:
-        os.close(fd)
-
-
-def unlink_stale(name: str) -> bool:
-    """Unlink the shared region ``name`` if it is asyncpin's and stale (see
-    :func:`is_stale`); returns whether it did. Processes that still map it keep their
-    mappings; the memory goes back when the last one unmaps it. A region of a live
-    creator, a missing name and a file that is not asyncpin's are left alone."""
-    _check_name(name)
-    try:
-        fd, info, _ = _open_own(name, os.O_RDONLY)
-    except (RegionNotFoundError, ConfigError):
-        return False
-    try:
-        if not _locked_if_stale(fd):
-            return False
-        # Unlink the file we found stale, not one created under the same name since.
-        try:
-            now = os.stat(SHM_DIR / name, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        if _file_id(now) != _file_id(info):
-            return False
-        (SHM_DIR / name).unlink()
-        return True
-    finally:
-        os.close(fd)
-
-
-def stale_regions() -> list[str]:
-    """Names of this user's asyncpin regions in /dev/shm whose creator is gone."""
-    names = []
-    try:
-        entries = sorted(os.listdir(SHM_DIR))
-    except OSError:
-        return []
-    for name in entries:
-        if not _NAME_RE.fullmatch(name) or name in (".", ".."):
-            continue
-        try:
-            if is_stale(name):
-                names.append(name)
-        except (OSError, ConfigError):
-            continue  # not ours, not asyncpin's, or gone meanwhile
-    return names
-
-
-def _locked_if_stale(fd: int) -> bool:
-    """Take an exclusive lock on ``fd`` if no creator holds its shared one (stale)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
-
-
-def _check_name(name: str | None) -> None:
-    if name is None:
-        raise ConfigError("backing='shared' needs a name")
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name in (".", ".."):
-        raise ConfigError(
-            f"shared region name {name!r} must be 1-200 letters, digits, '.', '_' or '-'"
-        )
+def validate_hugepages(hugepages: object) -> HugePages:
+    """``hugepages`` if it is a huge-page policy (``'thp'``, ``'hugetlb'`` or ``'none'``),
+    else a ConfigError."""
+    if hugepages not in ("thp", "hugetlb", "none"):
+        raise ConfigError(f"unknown hugepages policy {hugepages!r}: use 'thp', 'hugetlb' or 'none'")
+    return hugepages
 
 
 def hugetlb_free_bytes() -> int:

@@ -46,9 +46,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asyncpin import DEFAULT_CHUNK_BYTES, ManagerState, OffloadManager, PinBackend
-from asyncpin.cli import SHUTDOWN_SIGNALS, SignalGuard, parse_size
+from asyncpin.cli import parse_size
 from asyncpin.metrics import OffloadCollector
 from asyncpin.region import Backing
+from asyncpin.signals import SHUTDOWN_SIGNALS, SignalGuard
 
 __all__ = ["create_app", "main"]
 

@@ -22,7 +22,8 @@ from asyncpin import (
     RegionNotFoundError,
     _sys,
 )
-from asyncpin.region import HEADER_BYTES, SHM_DIR, HostRegion, hugetlb_free_bytes
+from asyncpin.region import HostRegion, hugetlb_free_bytes
+from asyncpin.shm import HEADER_BYTES, SHM_DIR
 from asyncpin.testing import FakeBackend
 
 PAGE = _sys.PAGE_SIZE

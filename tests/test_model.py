@@ -77,7 +77,8 @@ from asyncpin import (
     TransferError,
     _sys,
 )
-from asyncpin.region import SHM_DIR, HostRegion
+from asyncpin.region import HostRegion
+from asyncpin.shm import SHM_DIR
 from asyncpin.testing import FakeBackend, is_mapped
 
 PAGE = _sys.PAGE_SIZE

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from asyncpin import HostBackend, KVLayout, ManagerState, OffloadManager, _sys
-from asyncpin.region import SHM_DIR, is_stale, unlink_stale
+from asyncpin.shm import SHM_DIR, is_stale, unlink_stale
 from asyncpin.testing import FakeBackend
 from tests.helpers import wait_child
 

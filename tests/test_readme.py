@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from asyncpin import _sys
-from asyncpin.region import SHM_DIR
+from asyncpin.shm import SHM_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"

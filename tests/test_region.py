@@ -8,14 +8,23 @@ import itertools
 import mmap
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 import torch
 
 from asyncpin import ConfigError, OffloadManager, RegionNotFoundError, _sys
-from asyncpin.region import HEADER_BYTES, SHM_DIR, Backing, HostRegion
+from asyncpin.region import (
+    Backing,
+    HostRegion,
+    validate_backing,
+    validate_hugepages,
+    validate_nbytes,
+)
+from asyncpin.shm import HEADER_BYTES, SHM_DIR, is_stale, validate_name
 from asyncpin.testing import is_mapped
 from tests.helpers import wait_child
 
@@ -196,10 +205,73 @@ class TestView:
     def test_view_after_release_is_refused(self) -> None:
         region = HostRegion.create(PAGE)
         region.release()
-        with pytest.raises(ValueError, match="closed"):
+        with pytest.raises(anyio.ClosedResourceError, match="closed"):
             region.view()
-        with pytest.raises(ValueError, match="closed"):
+        with pytest.raises(anyio.ClosedResourceError, match="closed"):
             _ = region.address
+
+    @pytest.mark.parametrize("use", ["view", "prefault", "reserve", "address"])
+    @pytest.mark.parametrize("backing", ["anonymous", "shared"])
+    def test_use_after_release_is_closed_resource_error(
+        self, backing: Backing, use: str, shm_name: str
+    ) -> None:
+        name = shm_name if backing == "shared" else None
+        region = HostRegion.create(PAGE, backing=backing, name=name)
+        region.release()
+        calls: dict[str, Callable[[], object]] = {
+            "view": lambda: region.view(0, PAGE),
+            "prefault": lambda: region.prefault(0, PAGE),
+            "reserve": lambda: region.reserve([(0, PAGE)]),
+            "address": lambda: region.address,
+        }
+        with pytest.raises(anyio.ClosedResourceError, match="the region is closed"):
+            calls[use]()
+
+
+class TestValidators:
+    """Each configuration value has one validator, and every caller reports its message."""
+
+    @staticmethod
+    def message(call: Callable[[], object]) -> str:
+        with pytest.raises(ConfigError) as info:
+            call()
+        return str(info.value)
+
+    @pytest.mark.parametrize("backing", ["file", "", "SHARED", None])
+    def test_backing(self, backing: Any) -> None:
+        said = self.message(lambda: validate_backing(backing))
+        assert said == f"unknown backing {backing!r}: use 'anonymous' or 'shared'"
+        assert self.message(lambda: OffloadManager(PAGE, backing=backing)) == said
+        assert self.message(lambda: HostRegion.create(PAGE, backing=backing)) == said
+
+    @pytest.mark.parametrize("hugepages", ["always", "", "THP", True])
+    def test_hugepages(self, hugepages: Any) -> None:
+        said = self.message(lambda: validate_hugepages(hugepages))
+        assert said == f"unknown hugepages policy {hugepages!r}: use 'thp', 'hugetlb' or 'none'"
+        assert self.message(lambda: OffloadManager(PAGE, hugepages=hugepages)) == said
+        assert self.message(lambda: HostRegion.create(PAGE, hugepages=hugepages)) == said
+
+    @pytest.mark.parametrize("nbytes", [0, -1, True, 1.5, "1", 1 << 60])
+    def test_nbytes(self, nbytes: Any) -> None:
+        said = self.message(lambda: validate_nbytes(nbytes))
+        assert said.startswith("nbytes")
+        assert self.message(lambda: OffloadManager(nbytes)) == said
+        assert self.message(lambda: HostRegion.create(nbytes)) == said
+
+    @pytest.mark.parametrize("name", [None, "", ".", "..", "a/b", "x" * 201, 7])
+    def test_name(self, name: Any) -> None:
+        said = self.message(lambda: validate_name(name))
+        assert "name" in said
+        assert self.message(lambda: HostRegion.create(PAGE, backing="shared", name=name)) == said
+        if name is not None:
+            assert self.message(lambda: HostRegion.attach(name)) == said
+            assert self.message(lambda: is_stale(name)) == said
+
+    def test_good_values_pass_through(self) -> None:
+        assert validate_backing("shared") == "shared"
+        assert validate_hugepages("none") == "none"
+        assert validate_nbytes(PAGE + 1) == 2 * PAGE
+        assert validate_name("a-b_c.1") == "a-b_c.1"
 
 
 class TestTransparentHugePages:

@@ -24,11 +24,10 @@ import torch
 from asyncpin import KVLayout, OffloadManager, _sys
 from asyncpin import doctor as doctor_mod
 from asyncpin.errors import ConfigError, PreflightError, RegionNotFoundError
-from asyncpin.region import (
+from asyncpin.region import MAX_NBYTES, HostRegion
+from asyncpin.shm import (
     HEADER_BYTES,
-    MAX_NBYTES,
     SHM_DIR,
-    HostRegion,
     is_stale,
     shm_free_bytes,
     stale_regions,
@@ -334,11 +333,12 @@ import errno, os, sys
 from pathlib import Path
 import anyio, torch
 import asyncpin.region as region
+import asyncpin.shm as shm
 from asyncpin import KVLayout, OffloadManager, TransferError
 from asyncpin.testing import FakeBackend
 
 mnt = Path(sys.argv[1])
-region.SHM_DIR = mnt  # a small tmpfs standing in for /dev/shm
+shm.SHM_DIR = mnt  # a small tmpfs standing in for /dev/shm
 region.HostRegion.prefault = lambda self, offset, nbytes: None  # pages stay unbacked
 layout = KVLayout.from_tensors([torch.full((8, 65536), 7, dtype=torch.uint8)])
 
@@ -497,9 +497,10 @@ RESTART_ON_A_SMALL_SHM = """
 import os, signal, subprocess, sys
 from pathlib import Path
 import asyncpin.region as region
+import asyncpin.shm as shm
 
 mnt, name, nbytes = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-region.SHM_DIR = mnt
+shm.SHM_DIR = mnt
 if sys.argv[4] == "creator":
     r = region.HostRegion.create(nbytes, backing="shared", name=name)
     r.view().fill_(1)  # every page backed, as a server that ran a while

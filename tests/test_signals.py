@@ -30,7 +30,7 @@ from typing import IO
 
 import pytest
 
-from asyncpin.region import SHM_DIR
+from asyncpin.shm import SHM_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 60.0
