@@ -1,5 +1,5 @@
-"""Test doubles for asyncpin: a backend that records every call in order and fails or
-stalls on command. For testing faults and ordering only; it pins nothing."""
+"""A pin backend that records every call in order and fails or stalls on command. For
+testing faults and ordering only: it pins nothing unless it wraps a real backend."""
 
 from __future__ import annotations
 
