@@ -197,9 +197,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         async def contiguous(held: bool) -> float:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            engine.copy_host(host, devp, size, to_host=True, streams=streams[:2])
+            engine._copies.copy_host(host, devp, size, to_host=True, streams=streams[:2])
             hi_host, hi_dev = host + span // 2, devp + span // 2
-            engine.copy_host(hi_host, hi_dev, size, to_host=False, streams=streams[2:])
+            engine._copies.copy_host(hi_host, hi_dev, size, to_host=False, streams=streams[2:])
             for st in streams:
                 st.synchronize()
             return time.perf_counter() - t0
@@ -212,13 +212,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 copy_segments(*a)
 
         rt.copy_segments = traced  # type: ignore[method-assign,assignment]
-        finish = engine._finish
+        completion = engine._completion
 
-        def traced_finish(job: Any, error: BaseException | None) -> None:
-            with record_function(f"finish:{job.transfer.direction}"):
-                finish(job, error)
+        def traced_report(job: Any, error: BaseException | None) -> None:
+            def finish(err: BaseException | None) -> None:
+                with record_function(f"finish:{job.transfer.direction}"):
+                    job.finish(err)
 
-        engine._finish = traced_finish  # type: ignore[method-assign]
+            completion.hooks.call_soon(finish, error)
+
+        completion.report = traced_report  # type: ignore[method-assign]
         for name, fn, held in (
             ("free", both, False),
             ("held", both, True),

@@ -53,7 +53,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         engine = mgr._engine
         assert isinstance(engine, CudaTransferEngine)
         if args.no_sweep:  # the sweep counts as scheduled and never is: the engine without it
-            engine._sweeping = True
+            engine._completion.sweeping = True
         half = args.blocks
         nbytes = half * layout.host_block_bytes
 

@@ -58,7 +58,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def one_case(case: str) -> dict[str, Any]:
-    from asyncpin.engines.cuda import _Runtime
+    from asyncpin._cudart import Runtime as _Runtime
 
     rt = _Runtime()
     side = torch.cuda.Stream()

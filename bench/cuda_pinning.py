@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncpin import OffloadManager
+from asyncpin._cudart import cudart as _cudart
 from asyncpin.cli import parse_size
-from asyncpin.cuda import _cudart
 from bench._gpu import require_gpu
 
 MiB, GiB = 1 << 20, 1 << 30

@@ -25,7 +25,7 @@ for step in $steps; do
         2>&1 | tee "$OUT/loop_lag.log" | tail -12 ;;
     ttests)
       timeout 300 python3 -m pytest -p pytest_asyncio.plugin -q -x -rs -m cuda \
-        tests/test_cuda_transfers.py 2>&1 | tee "$OUT/ttests.log" | tail -30 ;;
+        tests/cuda/test_cuda_transfers.py 2>&1 | tee "$OUT/ttests.log" | tail -30 ;;
     transfers)
       timeout 400 python3 bench/transfers.py --json-out "$OUT/transfers.json" \
         --plot "$OUT/transfers.png" --only "${ONLY:-sizes,matmul,latency}" 2>&1 | tee "$OUT/transfers.log" | tail -25 ;;

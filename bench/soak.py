@@ -33,8 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncpin import KVLayout, OffloadManager, install_capture_gate
+from asyncpin._cudart import cudart as _cudart
 from asyncpin._sys import vm_locked_bytes
-from asyncpin.cuda import _cudart
 from asyncpin.testing import is_mapped
 from asyncpin.transfers import Method
 from bench._gpu import require_gpu

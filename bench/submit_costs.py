@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncpin.engines.cuda import _Runtime
+from asyncpin._cudart import Runtime as _Runtime
 from bench._gpu import require_gpu
 
 REPS = 2000
@@ -364,17 +364,18 @@ def dma_streams(repeats: int) -> dict[str, Any]:
 async def pack_variants(repeats: int) -> dict[str, Any]:
     """Both directions at once with pack at 32 KiB blocks (64 arrays, random ids),
     varying the gather kernel's CTAs and the staging size."""
-    import asyncpin.engines.cuda as ct
+    import asyncpin.engines.cuda.lanes as lanes
+    import asyncpin.engines.cuda.methods as methods
     from asyncpin import KVLayout, OffloadManager
 
     dev = torch.device("cuda", 0)
     out: dict[str, Any] = {}
     tensors = [torch.randn(2048, 8192, device=dev) for _ in range(64)]  # 32 KiB blocks
     layout = KVLayout.from_tensors(tensors)
-    defaults = ct._PACK_CTAS, ct._STAGING_BYTES
+    defaults = methods._PACK_CTAS, lanes.STAGING_BYTES
     try:
         for ctas, staging in ((132, 256 << 20), (32, 256 << 20), (132, 1 << 30)):
-            ct._PACK_CTAS, ct._STAGING_BYTES = ctas, staging
+            methods._PACK_CTAS, lanes.STAGING_BYTES = ctas, staging
             async with OffloadManager.for_kv(layout, 2048, backend="cuda") as mgr:
                 await mgr.pinned
 
@@ -399,7 +400,7 @@ async def pack_variants(repeats: int) -> dict[str, Any]:
                     nbytes / statistics.median([await both() for _ in range(repeats)]) / 1e9
                 )
     finally:
-        ct._PACK_CTAS, ct._STAGING_BYTES = defaults
+        methods._PACK_CTAS, lanes.STAGING_BYTES = defaults
     for key in [k for k in out if k.endswith("submit ms")]:
         out[key] = statistics.median(out[key])
     return out

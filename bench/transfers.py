@@ -31,7 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncpin import KVLayout, OffloadManager
-from asyncpin.engines.cuda import CudaTransferEngine, _MemcpyAttributes, _MemLocation, _Runtime
+from asyncpin._cudart import MemcpyAttributes as _MemcpyAttributes
+from asyncpin._cudart import MemLocation as _MemLocation
+from asyncpin._cudart import Runtime as _Runtime
+from asyncpin.engines.cuda import CudaTransferEngine
 from asyncpin.transfers import Direction, Method
 from bench._gpu import require_gpu
 
@@ -126,7 +129,7 @@ async def bench_size(block_bytes: int, n: int, repeats: int, peers: bool) -> dic
             for peer_direction in ("store", "load"):
                 direction = peer_direction
                 g, c = ids()
-                device, host = engine.segments(g, c)
+                device, host = engine._plan.segments(g, c)
                 sizes = torch.full_like(device, layout.block_bytes)
                 dst, src = (host, device) if direction == "store" else (device, host)
 
@@ -167,7 +170,7 @@ async def bench_size(block_bytes: int, n: int, repeats: int, peers: bool) -> dic
             async def contiguous(direction: str = direction) -> None:
                 # Cut at the region's registration boundaries (16 MiB pieces), as any DMA
                 # into a chunked registration must be.
-                engine.copy_host(
+                engine._copies.copy_host(
                     host_addr, dev_addr, size, to_host=direction == "store", streams=[stream]
                 )
                 stream.synchronize()
@@ -186,8 +189,8 @@ async def bench_size(block_bytes: int, n: int, repeats: int, peers: bool) -> dic
 
         async def contiguous_both(k: int) -> None:
             ups, downs = [stream, extra[0]][:k], extra[1:][:k]
-            engine.copy_host(host_addr, dev_addr, half_size, to_host=True, streams=ups)
-            engine.copy_host(hi_host, hi_dev, half_size, to_host=False, streams=downs)
+            engine._copies.copy_host(host_addr, dev_addr, half_size, to_host=True, streams=ups)
+            engine._copies.copy_host(hi_host, hi_dev, half_size, to_host=False, streams=downs)
             for s_ in (*ups, *downs):
                 s_.synchronize()
 
@@ -236,7 +239,9 @@ async def matmul_slowdown(repeats: int) -> dict[str, Any]:
                 side = torch.cuda.Stream()
                 while not stop.is_set():
                     if method == "contiguous":
-                        engine.copy_host(host_addr, dev_addr, size, to_host=True, streams=[side])
+                        engine._copies.copy_host(
+                            host_addr, dev_addr, size, to_host=True, streams=[side]
+                        )
                         await anyio.to_thread.run_sync(side.synchronize)
                     else:
                         g = torch.randperm(2 * n)[:n].tolist()

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncpin.engines.cuda import _Runtime
+from asyncpin._cudart import Runtime as _Runtime
 from bench._gpu import require_gpu
 
 SIZES = [16 << 10, 256 << 10, 2 << 20]
