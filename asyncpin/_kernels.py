@@ -28,9 +28,10 @@ def kv_copy(
     the pinned region through UVA, or a device staging buffer laid out the same way.
     Programs stride over segments, so the grid size bounds the SMs taken.
 
-    It moves 8-byte words (``cuda_transfers.KERNEL_WORD``): every address above must be
-    a multiple of 8, or the device faults with a sticky cudaErrorMisalignedAddress. The
-    engine launches it only on layouts ``kernel_misalignment`` passes."""
+    It moves 8-byte words (``asyncpin.engines.cuda.plan.KERNEL_WORD``): every address
+    above must be a multiple of 8, or the device faults with a sticky
+    cudaErrorMisalignedAddress. The engine launches it only on layouts
+    ``kernel_misalignment`` passes."""
     offsets = tl.arange(0, BLOCK)
     for s in range(tl.program_id(0), n_segments, tl.num_programs(0)):
         i = s // n_arrays

@@ -127,10 +127,9 @@ def _cuda() -> CudaInfo:
         return CudaInfo(built_for, False)
     try:
         devices = tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
-        from asyncpin.cuda import _cudart
-        from asyncpin.engines.cuda import batch_copy_available
+        from asyncpin._cudart import batch_copy_available, cudart
 
-        lib = _cudart()
+        lib = cudart()
         if lib is None:
             return CudaInfo(built_for, True, devices, error="libcudart is linked statically")
         runtime, driver = ctypes.c_int(0), ctypes.c_int(0)

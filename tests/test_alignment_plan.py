@@ -12,20 +12,18 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 from structlog.testing import capture_logs
 
 from asyncpin import KVLayout, Transfer
-from asyncpin.abc import EngineSetup
-from asyncpin.engines import cuda as ct
 from asyncpin.engines.cuda import KERNEL_WORD, CudaTransferEngine, kernel_misalignment
 from asyncpin.transfers import TransferJob
+from tests.cuda_engine_cpu import cpu_engine, offset_layout
 
 PAGE = 4096
 BASE = 1 << 40  # a page-aligned region
@@ -115,40 +113,15 @@ class TestKernelMisalignment:
 
 # -- the engine's choice ---------------------------------------------------------------
 
-BLOCKS, HOST_BLOCKS, ARRAYS = 256, 256, 4
 
-
-def _offset_layout(offset: int, block: int) -> KVLayout:
-    """``ARRAYS`` arrays of ``block``-byte blocks, back to back in one buffer from byte
-    ``offset`` (CPU tensors: the engine only reads their addresses here)."""
-    span = BLOCKS * block
-    buffer = torch.zeros(offset + ARRAYS * span, dtype=torch.uint8)
-    arrays = [
-        buffer[offset + a * span : offset + (a + 1) * span].view(BLOCKS, block)
-        for a in range(ARRAYS)
-    ]
-    return KVLayout.from_tensors(arrays)
-
-
-@asynccontextmanager
-async def _engine(
-    monkeypatch: pytest.MonkeyPatch, layout: KVLayout
-) -> AsyncIterator[CudaTransferEngine]:
-    """The engine as the manager makes it (in the event loop), with a stand-in runtime
-    and copy kernel; its lanes have pack staging. Its threads end on exit."""
-    monkeypatch.setattr(ct, "_Runtime", lambda: SimpleNamespace())
-    monkeypatch.setattr(ct, "_load_kernel", lambda: object())
-    host = torch.zeros(HOST_BLOCKS, layout.num_arrays, *layout.block_shape, dtype=layout.dtype)
-    assert host.data_ptr() % 16 == 0  # as the region is (page-aligned)
-    engine = CudaTransferEngine(EngineSetup(layout, host, 1 << 30, lambda *a: None))
-    try:
+@contextmanager
+def _engine(monkeypatch: pytest.MonkeyPatch, layout: KVLayout) -> Iterator[CudaTransferEngine]:
+    """The engine as the manager makes it, with a stand-in runtime and copy kernel; its
+    lanes have pack staging."""
+    with cpu_engine(monkeypatch, layout, kernel=object()) as engine:
         lanes: dict[Any, Any] = {d: SimpleNamespace(staging=object()) for d in ("store", "load")}
         engine._lanes = lanes
         yield engine
-    finally:
-        engine._submitter.close()
-        for waiter in engine._waiters.values():
-            waiter.close()
 
 
 def _job(method: Any, blocks: int = 100, direction: Any = "store") -> TransferJob:
@@ -164,15 +137,14 @@ class TestEngineChoice:
     ) -> None:
         """112-byte blocks ``offset`` bytes into a buffer: auto was pack (a fault on the
         device); now every method runs as batch, and the fallback is logged."""
-        layout = _offset_layout(offset, 112)
+        layout = offset_layout(offset, 112)
         assert layout.arrays[0].data_ptr() % KERNEL_WORD == offset % KERNEL_WORD
-        with capture_logs() as logs:
-            async with _engine(monkeypatch, layout) as engine:
-                assert engine.methods() == ("batch", "pack", "kernel")
-                for method in ("auto", "pack", "kernel", "batch", "pack"):
-                    for blocks in (100, 1):  # the large and the small path
-                        job = _job(method, blocks, direction)
-                        assert engine._choose(job, pageable=False) == "batch", (method, blocks)
+        with capture_logs() as logs, _engine(monkeypatch, layout) as engine:
+            assert engine.methods() == ("batch", "pack", "kernel")
+            for method in ("auto", "pack", "kernel", "batch", "pack"):
+                for blocks in (100, 1):  # the large and the small path
+                    job = _job(method, blocks, direction)
+                    assert engine._choose(job, pageable=False) == "batch", (method, blocks)
         events = [e for e in logs if e["event"].startswith("transfer.")]
         assert [e["event"] for e in events] == [
             "transfer.kernel_disabled",
@@ -186,7 +158,7 @@ class TestEngineChoice:
     async def test_blocks_not_whole_words_run_as_batch(
         self, monkeypatch: pytest.MonkeyPatch, block: int
     ) -> None:
-        async with _engine(monkeypatch, _offset_layout(0, block)) as engine:
+        with _engine(monkeypatch, offset_layout(0, block)) as engine:
             assert engine.methods() == ("batch", "pack", "kernel")
             for method in ("auto", "pack", "kernel"):
                 assert engine._choose(_job(method), pageable=False) == "batch"
@@ -195,11 +167,11 @@ class TestEngineChoice:
     async def test_aligned_arrays_keep_the_kernel(
         self, monkeypatch: pytest.MonkeyPatch, offset: int
     ) -> None:
-        with capture_logs() as logs:
-            async with _engine(monkeypatch, _offset_layout(offset, 112)) as engine:
-                assert engine._choose(_job("auto"), pageable=False) == "pack"
-                assert engine._choose(_job("auto", 1), pageable=False) == "batch"
-                assert engine._choose(_job("pack"), pageable=False) == "pack"
-                assert engine._choose(_job("kernel"), pageable=False) == "kernel"
-                assert engine._choose(_job("pack"), pageable=True) == "batch"
+        layout = offset_layout(offset, 112)
+        with capture_logs() as logs, _engine(monkeypatch, layout) as engine:
+            assert engine._choose(_job("auto"), pageable=False) == "pack"
+            assert engine._choose(_job("auto", 1), pageable=False) == "batch"
+            assert engine._choose(_job("pack"), pageable=False) == "pack"
+            assert engine._choose(_job("kernel"), pageable=False) == "kernel"
+            assert engine._choose(_job("pack"), pageable=True) == "batch"
         assert not [e for e in logs if e["event"].startswith("transfer.")]

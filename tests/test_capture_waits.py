@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from types import SimpleNamespace
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from structlog.testing import capture_logs
 
+import asyncpin.engines.cuda as ct
 import asyncpin.gate
 from asyncpin import capture_gate
-from asyncpin.engines.cuda import CudaTransferEngine, _Waiter
+from asyncpin.engines.cuda import CudaTransferEngine
+from asyncpin.engines.cuda.completion import Waiter
 from asyncpin.transfers import Transfer, TransferJob
+from tests.cuda_engine_cpu import cpu_engine, offset_layout
 
 TIMEOUT_S = 10.0
 # How long a wait that must not happen is given to happen anyway. Without the gate the
@@ -47,12 +50,12 @@ class _Event:
 
 @pytest.fixture
 def waiter() -> Any:
-    w = _Waiter("test-waiter")
+    w = Waiter("test-waiter")
     yield w
     w.close()
 
 
-def test_a_wait_waits_for_the_capture_gate(waiter: _Waiter) -> None:
+def test_a_wait_waits_for_the_capture_gate(waiter: Waiter) -> None:
     event, reported = _Event(), threading.Event()
     errors: list[BaseException | None] = []
 
@@ -67,7 +70,7 @@ def test_a_wait_waits_for_the_capture_gate(waiter: _Waiter) -> None:
     assert event.held_when_entered is False and errors == [None]
 
 
-def test_a_capture_waits_for_a_wait_under_way(waiter: _Waiter) -> None:
+def test_a_capture_waits_for_a_wait_under_way(waiter: Waiter) -> None:
     release = threading.Event()
     event, reported = _Event(block=release), threading.Event()
     waiter.submit(event, lambda error: reported.set())
@@ -107,16 +110,15 @@ class _Lane:
         return self.staging
 
 
-def _staging_engine(lane: _Lane) -> CudaTransferEngine:
-    engine = CudaTransferEngine.__new__(CudaTransferEngine)
-    engine._kernel = object()
-    engine._lanes = {"store": lane, "load": _Lane()}  # type: ignore[dict-item]
-    engine._layout = SimpleNamespace(  # type: ignore[assignment]
-        num_arrays=4, block_bytes=2 << 20, host_block_bytes=8 << 20
-    )
-    engine._rt = None  # type: ignore[assignment]
-    engine._on_device = contextlib.nullcontext  # type: ignore[method-assign]
-    return engine
+@contextlib.contextmanager
+def _staging_engine(monkeypatch: pytest.MonkeyPatch, lane: _Lane) -> Iterator[CudaTransferEngine]:
+    """An engine of 2 MiB blocks (batch by default), with a copy kernel, whose store lane
+    is ``lane``."""
+    layout = offset_layout(0, 2 << 20, blocks=2, arrays=4)
+    with cpu_engine(monkeypatch, layout, kernel=object(), host_blocks=2) as engine:
+        monkeypatch.setattr(ct, "on_device", lambda index: contextlib.nullcontext())
+        engine._lanes = {"store": lane, "load": _Lane()}  # type: ignore[dict-item]
+        yield engine
 
 
 def _pack_job(blocks: int = 100, method: Any = "pack") -> TransferJob:
@@ -124,11 +126,17 @@ def _pack_job(blocks: int = 100, method: Any = "pack") -> TransferJob:
     return TransferJob(Transfer("store", blocks, blocks << 23), ids, ids, method)
 
 
-def test_pack_staging_is_not_allocated_during_a_capture() -> None:
+async def test_pack_staging_is_not_allocated_during_a_capture(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """With 2 MiB blocks pack is not the default, so its staging is allocated by the first
     pack job; while the gate is held, that job uses batch and allocates nothing."""
     lane = _Lane()
-    engine = _staging_engine(lane)
+    with _staging_engine(monkeypatch, lane) as engine:
+        _pack_staging_waits_for_captures(engine, lane)
+
+
+def _pack_staging_waits_for_captures(engine: CudaTransferEngine, lane: _Lane) -> None:
     job, auto = _pack_job(), _pack_job(method="auto")
     with capture_gate():
         assert engine._choose(job, pageable=False) == "batch"
@@ -142,12 +150,11 @@ def test_pack_staging_is_not_allocated_during_a_capture() -> None:
     assert asyncpin.gate._global_in_flight == 0
 
 
-def test_no_room_for_pack_staging_means_batch() -> None:
+async def test_no_room_for_pack_staging_means_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Out of device memory (next to a server's preallocated KV cache): the transfer uses
     batch, and store() does not raise."""
     lane = _Lane(fail=True)
-    engine = _staging_engine(lane)
-    with capture_logs() as logs:
+    with _staging_engine(monkeypatch, lane) as engine, capture_logs() as logs:
         assert engine._choose(_pack_job(), pageable=False) == "batch"
     assert lane.allocations == [1] and lane.staging is None
     assert [e["event"] for e in logs] == ["transfer.staging_failed"]

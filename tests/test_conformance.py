@@ -69,9 +69,9 @@ def cuda_layout(num_blocks: int = 16) -> KVLayout:
 
 def cuda_registered(address: int, nbytes: int) -> bool:
     """Whether CUDA counts ``address`` as registered host memory (cudaHostGetFlags)."""
-    from asyncpin.cuda import _cudart
+    from asyncpin._cudart import cudart
 
-    lib = _cudart()
+    lib = cudart()
     assert lib is not None
     flags = ctypes.c_uint()
     code = int(lib.cudaHostGetFlags(ctypes.byref(flags), ctypes.c_void_p(address)))
@@ -101,9 +101,10 @@ class TestPinBackendConformance:
 
     @pytest.mark.cuda
     def test_cuda_backend(self, anyio_backend: str) -> None:
-        from asyncpin.cuda import CudaBackend, _cudart
+        from asyncpin._cudart import cudart
+        from asyncpin.cuda import CudaBackend
 
-        probe = cuda_registered if _cudart() is not None else None
+        probe = cuda_registered if cudart() is not None else None
         check = functools.partial(check_pin_backend, is_pinned=probe)
         run(check, anyio_backend, CudaBackend())
 

@@ -319,8 +319,7 @@ class TestReaders:
     def test_cuda_reader_on_a_faked_gpu(self, monkeypatch: pytest.MonkeyPatch) -> None:
         import torch
 
-        import asyncpin.cuda
-        import asyncpin.engines.cuda
+        import asyncpin._cudart
 
         class FakeCudart:
             @staticmethod
@@ -337,10 +336,10 @@ class TestReaders:
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"GPU {i}")
         monkeypatch.setattr(torch.version, "cuda", "12.8")
-        monkeypatch.setattr(asyncpin.cuda, "_cudart", lambda: FakeCudart())
-        monkeypatch.setattr(asyncpin.engines.cuda, "batch_copy_available", lambda: True)
+        monkeypatch.setattr(asyncpin._cudart, "cudart", lambda: FakeCudart())
+        monkeypatch.setattr(asyncpin._cudart, "batch_copy_available", lambda: True)
         assert doctor._cuda() == CudaInfo("12.8", True, ("GPU 0", "GPU 1"), 12080, 13000, True)
-        monkeypatch.setattr(asyncpin.cuda, "_cudart", lambda: None)
+        monkeypatch.setattr(asyncpin._cudart, "cudart", lambda: None)
         assert doctor._cuda().error == "libcudart is linked statically"
 
     def test_thp_reads_the_bracketed_word(

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,8 +22,10 @@ import pytest
 from structlog.testing import capture_logs
 
 from asyncpin import capture_gate
-from asyncpin.engines.cuda import CudaTransferEngine, _Waiter
+from asyncpin.engines.cuda import CudaTransferEngine
+from asyncpin.engines.cuda.completion import Completion, LoopHooks, TrioHooks, Waiter
 from asyncpin.transfers import Direction, Transfer, TransferJob
+from tests.cuda_engine_cpu import cpu_engine, offset_layout
 
 
 class _Event:
@@ -37,23 +38,26 @@ class _Event:
         return self.complete
 
 
-class _Loop:
-    """Records the sweeps the engine schedules instead of running them."""
+class _Hooks(LoopHooks):
+    """Records the sweeps scheduled (their delays) instead of running them."""
 
     def __init__(self) -> None:
         self.delays: list[float] = []
 
-    def call_later(self, delay: float, fn: Any) -> None:
-        self.delays.append(delay)
+    def call_soon(self, fn: Any, *args: Any) -> None:
+        fn(*args)
+
+    def start_sweeping(self, completion: Completion) -> None:
+        self.delays.append(completion.period())
+
+    sweep_again = start_sweeping
 
 
-def _engine() -> CudaTransferEngine:
-    engine = CudaTransferEngine.__new__(CudaTransferEngine)
-    engine._loop = _Loop()  # type: ignore[assignment]
-    engine._outstanding = {"store": deque(), "load": deque()}
-    engine._sweeping = False
-    engine._starved_until = 0.0
-    return engine
+@pytest.fixture
+def completion() -> Iterator[Completion]:
+    made = Completion(_Hooks())
+    yield made
+    made.close()
 
 
 def _job(direction: Direction = "load", blocks: int = 1) -> TransferJob:
@@ -68,174 +72,181 @@ def _event(job: TransferJob) -> _Event:
     return event
 
 
-def _delays(engine: CudaTransferEngine) -> list[float]:
-    assert isinstance(engine._loop, _Loop)
-    return engine._loop.delays
+def _delays(completion: Completion) -> list[float]:
+    assert isinstance(completion.hooks, _Hooks)
+    return completion.hooks.delays
 
 
-async def test_an_unreported_completion_is_finished_at_the_next_sweep() -> None:
-    engine, job = _engine(), _job()
-    engine._watch(job)
-    engine._sweep()  # still copying
+async def test_an_unreported_completion_is_finished_at_the_next_sweep(
+    completion: Completion,
+) -> None:
+    job = _job()
+    completion.watch(job)
+    completion.sweep()  # still copying
     _event(job).complete = True
-    engine._sweep()  # complete: its waiter gets one more sweep to report it
-    assert not job.transfer.done() and not engine._starved()
+    completion.sweep()  # complete: its waiter gets one more sweep to report it
+    assert not job.transfer.done() and not completion.starved()
     job.keep.append(object())
-    engine._sweep()  # not reported: finished here, and the loop is marked as starving
+    completion.sweep()  # not reported: finished here, and the loop is marked as starving
     assert job.transfer.done() and job.transfer.error is None and job.keep == []
-    assert engine._starved()
-    assert not engine._outstanding["load"] and not engine._sweeping
+    assert completion.starved()
+    assert not completion.outstanding["load"] and not completion.sweeping
     # Scheduled at watch and after each of the first two sweeps, at the idle period.
-    assert _delays(engine) == [0.02, 0.02, 0.02]
-    engine._watch(_job())  # while the loop counts as starving, sweeps come every 2 ms
-    assert _delays(engine)[-1] == 0.002
+    assert _delays(completion) == [0.02, 0.02, 0.02]
+    completion.watch(_job())  # while the loop counts as starving, sweeps come every 2 ms
+    assert _delays(completion)[-1] == 0.002
 
 
-async def test_a_reported_completion_is_only_dropped() -> None:
-    engine, job = _engine(), _job()
-    engine._watch(job)
+async def test_a_reported_completion_is_only_dropped(completion: Completion) -> None:
+    job = _job()
+    completion.watch(job)
     _event(job).complete = True
-    engine._sweep()
-    CudaTransferEngine._finish(job, None)  # the waiter thread's report arrives
-    engine._sweep()
-    assert not engine._starved() and not engine._outstanding["load"]
-    assert not engine._sweeping
+    completion.sweep()
+    job.finish(None)  # the waiter thread's report arrives
+    completion.sweep()
+    assert not completion.starved() and not completion.outstanding["load"]
+    assert not completion.sweeping
 
 
-async def test_jobs_of_a_direction_finish_in_order_directions_apart() -> None:
-    engine = _engine()
+async def test_jobs_of_a_direction_finish_in_order_directions_apart(completion: Completion) -> None:
     first, second, store = _job(), _job(), _job("store")
     for job in (first, second, store):
-        engine._watch(job)
+        completion.watch(job)
     _event(second).complete = _event(store).complete = True
     for _ in range(3):
-        engine._sweep()
+        completion.sweep()
     assert not first.transfer.done() and not second.transfer.done()
     assert store.transfer.done()
     _event(first).complete = True
-    engine._sweep()
-    engine._sweep()
+    completion.sweep()
+    completion.sweep()
     assert first.transfer.done() and second.transfer.done()
 
 
-async def test_a_job_still_being_queued_holds_back_the_ones_after_it() -> None:
-    engine = _engine()
+async def test_a_job_still_being_queued_holds_back_the_ones_after_it(
+    completion: Completion,
+) -> None:
     queuing, after = _job("store"), _job("store")
     queuing.transfer.event = None  # the submitter thread has not queued it yet
-    engine._watch(queuing)
-    engine._watch(after)
+    completion.watch(queuing)
+    completion.watch(after)
     _event(after).complete = True
     for _ in range(3):
-        engine._sweep()
+        completion.sweep()
     assert not after.transfer.done()
 
 
-async def test_no_query_while_a_capture_holds_the_gate() -> None:
-    engine, job = _engine(), _job()
-    engine._watch(job)
+async def test_no_query_while_a_capture_holds_the_gate(completion: Completion) -> None:
+    job = _job()
+    completion.watch(job)
     _event(job).complete = True
     with capture_gate():
         for _ in range(3):
-            engine._sweep()
+            completion.sweep()
     assert _event(job).queries == 0 and not job.transfer.done()
-    engine._sweep()
-    engine._sweep()
+    completion.sweep()
+    completion.sweep()
     assert job.transfer.done()
 
 
-async def test_the_failure_of_a_partly_queued_job_is_what_it_finishes_with() -> None:
-    engine, job = _engine(), _job()
+async def test_the_failure_of_a_partly_queued_job_is_what_it_finishes_with(
+    completion: Completion,
+) -> None:
+    job = _job()
     job.failure = RuntimeError("the second piece could not be queued")
-    engine._watch(job)
+    completion.watch(job)
     _event(job).complete = True
-    engine._sweep()
-    engine._sweep()
+    completion.sweep()
+    completion.sweep()
     # The raw error: the manager's router names it as a TransferError.
     assert job.transfer.error is job.failure
 
 
-async def test_a_device_error_is_left_to_the_waiter() -> None:
-    engine, job = _engine(), _job()
+async def test_a_device_error_is_left_to_the_waiter(completion: Completion) -> None:
+    job = _job()
 
     class Failing(_Event):
         def query(self) -> bool:
             raise RuntimeError("an illegal address was encountered")
 
     job.transfer.event = Failing()
-    engine._watch(job)
+    completion.watch(job)
     for _ in range(3):
-        engine._sweep()
-    assert not job.transfer.done() and not engine._starved()
+        completion.sweep()
+    assert not job.transfer.done() and not completion.starved()
 
 
-async def test_a_raising_callback_does_not_end_the_sweeping() -> None:
-    engine, job, later = _engine(), _job(), _job()
+async def test_a_raising_callback_does_not_end_the_sweeping(completion: Completion) -> None:
+    job, later = _job(), _job()
 
     def fail(transfer: Transfer) -> None:
         raise RuntimeError("an observer's bug")
 
     job.transfer._callbacks.append(fail)
-    engine._watch(job)
-    engine._watch(later)
+    completion.watch(job)
+    completion.watch(later)
     _event(job).complete = True
-    engine._sweep()
+    completion.sweep()
     with pytest.raises(RuntimeError, match="observer"):
-        engine._sweep()
-    assert job.transfer.done() and engine._sweeping
-    assert len(_delays(engine)) == 3  # at watch, and after both sweeps
+        completion.sweep()
+    assert job.transfer.done() and completion.sweeping
+    assert len(_delays(completion)) == 3  # at watch, and after both sweeps
     _event(later).complete = True
-    engine._sweep()
-    engine._sweep()
-    assert later.transfer.done() and not engine._outstanding["load"]
+    completion.sweep()
+    completion.sweep()
+    assert later.transfer.done() and not completion.outstanding["load"]
 
 
+@contextmanager
 def _submitting(
     monkeypatch: pytest.MonkeyPatch,
-) -> tuple[CudaTransferEngine, list[TransferJob], list[TransferJob]]:
-    """An engine whose submit() runs for real down to where a job is queued: the jobs
-    the submitter thread gets, and the ones queued on the loop, are recorded."""
-    engine = _engine()
-    engine._kernel = None
-    engine._layout = SimpleNamespace(num_arrays=64)  # type: ignore[assignment]
+) -> Iterator[tuple[CudaTransferEngine, list[TransferJob], list[TransferJob]]]:
+    """An engine (no copy kernel, 16 arrays) whose submit() runs for real down to where a
+    job is queued: the jobs the submitter thread gets, and the ones queued on the loop,
+    are recorded; its sweeps are recorded, not run."""
     threaded: list[TransferJob] = []
     on_loop: list[TransferJob] = []
-    engine._submitter = SimpleNamespace(  # type: ignore[assignment]
-        busy=lambda: False, submit=lambda job, method: threaded.append(job)
-    )
-    monkeypatch.setattr(engine, "_enqueue", lambda job, method: on_loop.append(job))
-    monkeypatch.setattr(engine, "record_ready", lambda: None)
-    monkeypatch.setattr(engine, "_start_soon", lambda *args: None, raising=False)
-    return engine, threaded, on_loop
+    with cpu_engine(monkeypatch, offset_layout(0, 64, blocks=16, arrays=16)) as engine:
+        monkeypatch.setattr(engine._completion, "hooks", _Hooks())
+        monkeypatch.setattr(
+            engine,
+            "_submitter",
+            SimpleNamespace(busy=lambda: False, submit=lambda job, method: threaded.append(job)),
+        )
+        monkeypatch.setattr(engine, "_enqueue", lambda job, method: on_loop.append(job))
+        monkeypatch.setattr(engine, "record_ready", lambda: None)
+        yield engine, threaded, on_loop
 
 
 async def test_submit_watches_every_job_queued_for_the_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    engine, _, _ = _submitting(monkeypatch)
-    load, store = _job("load"), _job("store", blocks=10)
-    engine.submit(load, pageable=False)
-    engine.submit(store, pageable=False)
-    engine.submit(_job("load"), pageable=True)  # pageable: its worker thread reports it
-    assert list(engine._outstanding["load"]) == [load]
-    assert list(engine._outstanding["store"]) == [store]
-    assert engine._sweeping and _delays(engine) == [0.02]
+    with _submitting(monkeypatch) as (engine, _, _):
+        load, store = _job("load"), _job("store", blocks=10)
+        engine.submit(load, pageable=False)
+        engine.submit(store, pageable=False)
+        engine.submit(_job("load"), pageable=True)  # pageable: its worker thread reports it
+        completion = engine._completion
+        assert list(completion.outstanding["load"]) == [load]
+        assert list(completion.outstanding["store"]) == [store]
+        assert completion.sweeping and _delays(completion) == [0.02]
 
 
 async def test_stores_stay_on_the_loop_while_threads_starve(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    engine, threaded, on_loop = _submitting(monkeypatch)
-    large = _job("store", blocks=10)  # 640 segments: the submitter's, normally
-    engine.submit(large, pageable=False)
-    assert threaded == [large] and on_loop == []
-    engine._starved_until = time.monotonic() + 60
-    starved = _job("store", blocks=10)
-    engine.submit(starved, pageable=False)
-    assert threaded == [large] and on_loop == [starved]
+    with _submitting(monkeypatch) as (engine, threaded, on_loop):
+        large = _job("store", blocks=10)  # 160 segments: the submitter's, normally
+        engine.submit(large, pageable=False)
+        assert threaded == [large] and on_loop == []
+        engine._completion._starved_until = time.monotonic() + 60
+        starved = _job("store", blocks=10)
+        engine.submit(starved, pageable=False)
+        assert threaded == [large] and on_loop == [starved]
 
 
 def test_a_waiter_skips_what_the_loop_has_finished() -> None:
-    waiter = _Waiter("test-waiter")
+    waiter = Waiter("test-waiter")
     try:
         waited, reported, done = threading.Event(), threading.Event(), threading.Event()
 
@@ -255,17 +266,22 @@ def test_a_waiter_skips_what_the_loop_has_finished() -> None:
         waiter.close()
 
 
-def _trio_engine() -> CudaTransferEngine:
-    engine = _engine()
-    engine._loop = None  # not asyncio: the sweep runs as a task
-    return engine
+@asynccontextmanager
+async def _trio_completion() -> AsyncIterator[Completion]:
+    """On trio: a completion whose sweep task starts in a task group standing in for the
+    manager's (``_task_group``)."""
+    completion = Completion(_Hooks())
+    try:
+        yield completion
+    finally:
+        completion.close()
 
 
 @asynccontextmanager
-async def _task_group(engine: CudaTransferEngine) -> AsyncIterator[anyio.abc.TaskGroup]:
-    """A task group standing in for the manager's, where the engine starts its tasks."""
+async def _task_group(completion: Completion) -> AsyncIterator[anyio.abc.TaskGroup]:
+    """A task group standing in for the manager's, where the sweep task starts."""
     async with anyio.create_task_group() as tg:
-        engine._start_soon = tg.start_soon
+        completion.hooks = TrioHooks(tg.start_soon)
         yield tg
 
 
@@ -276,27 +292,27 @@ def test_on_trio_a_task_sweeps_while_jobs_are_outstanding() -> None:
     finished: list[TransferJob] = []
 
     async def main() -> None:
-        engine = _trio_engine()
-        async with _task_group(engine):
-            first, second = _job(), _job("store")
-            engine._watch(first)
-            engine._watch(second)
-            assert engine._sweeping
-            _event(first).complete = _event(second).complete = True
-            with anyio.fail_after(10):
-                await first.transfer  # no waiter thread reports it: only the task can
-                await second.transfer
-            finished.extend((first, second))
-            assert engine._starved()
-        # The group's exit waited for the task, which ended with nothing outstanding.
-        assert not engine._sweeping and not any(engine._outstanding.values())
-        later = _job()
-        async with _task_group(engine):
-            engine._watch(later)  # a new burst starts a new task
-            _event(later).complete = True
-            with anyio.fail_after(10):
-                await later.transfer
-        finished.append(later)
+        async with _trio_completion() as completion:
+            async with _task_group(completion):
+                first, second = _job(), _job("store")
+                completion.watch(first)
+                completion.watch(second)
+                assert completion.sweeping
+                _event(first).complete = _event(second).complete = True
+                with anyio.fail_after(10):
+                    await first.transfer  # no waiter thread reports it: only the task can
+                    await second.transfer
+                finished.extend((first, second))
+                assert completion.starved()
+            # The group's exit waited for the task, which ended with nothing outstanding.
+            assert not completion.sweeping and not any(completion.outstanding.values())
+            later = _job()
+            async with _task_group(completion):
+                completion.watch(later)  # a new burst starts a new task
+                _event(later).complete = True
+                with anyio.fail_after(10):
+                    await later.transfer
+            finished.append(later)
 
     anyio.run(main, backend="trio")
     assert [job.transfer.error for job in finished] == [None, None, None]
@@ -306,16 +322,15 @@ def test_on_trio_a_raising_callback_is_logged_and_the_task_goes_on() -> None:
     pytest.importorskip("trio")
 
     async def main() -> None:
-        engine = _trio_engine()
-        async with _task_group(engine):
+        async with _trio_completion() as completion, _task_group(completion):
             job, later = _job(), _job()
 
             def fail(transfer: Transfer) -> None:
                 raise RuntimeError("an observer's bug")
 
             job.transfer._callbacks.append(fail)
-            engine._watch(job)
-            engine._watch(later)
+            completion.watch(job)
+            completion.watch(later)
             _event(job).complete = _event(later).complete = True
             with anyio.fail_after(10):
                 await job.transfer
@@ -328,7 +343,7 @@ def test_on_trio_a_raising_callback_is_logged_and_the_task_goes_on() -> None:
 
 
 def test_a_waiter_outlives_a_report_that_raises() -> None:
-    waiter = _Waiter("test-waiter")
+    waiter = Waiter("test-waiter")
     try:
         reported = threading.Event()
 
@@ -352,31 +367,35 @@ def test_on_trio_a_cancelled_sweep_task_is_restarted_by_the_next_job() -> None:
     pytest.importorskip("trio")
 
     async def main() -> None:
-        engine = _trio_engine()
-        async with _task_group(engine) as tg:
-            engine._watch(_job())  # never completes
-            await anyio.lowlevel.checkpoint()  # the task is sleeping until its first sweep
-            tg.cancel_scope.cancel()
-        assert not engine._sweeping  # cleared by the cancelled task
-        later = _job()
-        async with _task_group(engine):
-            engine._outstanding["load"].clear()
-            engine._watch(later)
-            assert engine._sweeping
-            _event(later).complete = True
-            with anyio.fail_after(10):
-                await later.transfer
+        async with _trio_completion() as completion:
+            async with _task_group(completion) as tg:
+                completion.watch(_job())  # never completes
+                await anyio.lowlevel.checkpoint()  # the task sleeps until its first sweep
+                tg.cancel_scope.cancel()
+            assert not completion.sweeping  # cleared by the cancelled task
+            later = _job()
+            async with _task_group(completion):
+                completion.outstanding["load"].clear()
+                completion.watch(later)
+                assert completion.sweeping
+                _event(later).complete = True
+                with anyio.fail_after(10):
+                    await later.transfer
 
     anyio.run(main, backend="trio")
 
 
 def test_a_job_watched_when_no_task_can_start_leaves_the_sweep_unscheduled() -> None:
-    engine = _trio_engine()
+    pytest.importorskip("trio")
 
     def closed(*args: Any) -> None:
         raise RuntimeError("This task group is not active; no new tasks can be started.")
 
-    engine._start_soon = closed
-    with pytest.raises(RuntimeError, match="not active"):
-        engine._watch(_job())
-    assert not engine._sweeping
+    async def main() -> None:
+        async with _trio_completion() as completion:
+            completion.hooks = TrioHooks(closed)
+            with pytest.raises(RuntimeError, match="not active"):
+                completion.watch(_job())
+            assert not completion.sweeping
+
+    anyio.run(main, backend="trio")

@@ -27,9 +27,9 @@ def _cuda_fake() -> FakeBackend:
 
 
 def _registered(address: int) -> bool:
-    from asyncpin.cuda import _cudart
+    from asyncpin._cudart import cudart
 
-    lib = _cudart()
+    lib = cudart()
     assert lib is not None
     flags = ctypes.c_uint(0)
     code = lib.cudaHostGetFlags(ctypes.byref(flags), ctypes.c_void_p(address))

@@ -1,6 +1,7 @@
-"""Child process for tests/test_cuda.py: captures CUDA graphs while an 8 GiB manager pins.
+"""Child process for tests/cuda/test_cuda.py: captures CUDA graphs while an 8 GiB manager
+pins.
 
-    python tests/cuda_capture_child.py {gated,hook,ungated}
+    python tests/cuda/cuda_capture_child.py {gated,hook,ungated}
 
 Prints one JSON line: captures made, those made while pinning was under way, capture
 errors, and the pin error's CUDA code. A collision corrupts CUDA state for the rest of

@@ -159,7 +159,7 @@ class TestStoreSubmitter:
 
             gpu, cpu = _ids(400, BLOCKS), _ids(400, HOST_BLOCKS)
             with monkeypatch.context() as patch:
-                patch.setattr(engine, "_pack", refuse)
+                patch.setattr(engine._copies, "pack", refuse)
                 failed = mgr.store(gpu, cpu, method="pack")
                 with anyio.fail_after(60), pytest.raises(TransferError, match="refused"):
                     await failed

@@ -31,9 +31,9 @@ ALREADY_REGISTERED = 712
 
 
 def _cudart() -> ctypes.CDLL:
-    from asyncpin.cuda import _cudart as find
+    from asyncpin._cudart import cudart
 
-    lib = find()
+    lib = cudart()
     assert lib is not None, "libcudart must be loaded by torch on the GPU machine"
     return lib
 
@@ -103,8 +103,8 @@ class TestPinAndCopy:
 
 
 def _capture_child(mode: str) -> dict[str, Any]:
-    """Run tests/cuda_capture_child.py in its own process and return its report."""
-    repo = str(Path(__file__).parents[1])
+    """Run tests/cuda/cuda_capture_child.py in its own process and return its report."""
+    repo = str(Path(__file__).parents[2])
     path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
     out = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("cuda_capture_child.py")), mode],
@@ -213,7 +213,7 @@ class TestDemoOnGpu:
     """`python -m asyncpin demo` picks the GPU when there is one."""
 
     def test_demo_uses_cuda(self) -> None:
-        repo = str(Path(__file__).parents[1])
+        repo = str(Path(__file__).parents[2])
         path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, PYTHONPATH=path)
         out = subprocess.run(

@@ -1,0 +1,286 @@
+"""The CUDA engine's copy methods: each queues one job's copy on a lane's streams.
+
+- ``batch``: one DMA per (block, array) segment, issued with one
+  ``cudaMemcpyBatchAsync`` call per stream where the runtime has it (CUDA >= 12.8; its
+  signature changed in 13.0), else a loop of ``cudaMemcpyAsync``. Uses no SMs; per-copy
+  overhead limits it with small blocks. A small transfer (one Llama block) takes this
+  path with its addresses computed in plain Python: a handful of microseconds to submit.
+- ``pack``: a copy kernel gathers the blocks into one half of a device staging buffer
+  laid out like the host (block-major), then one DMA per run of consecutive host blocks
+  moves it while the kernel fills the other half (load: the reverse). The kernel runs at
+  device-memory speed, so the bus does the work and the SMs stay with the model.
+- ``kernel``: the same copy kernel reading or writing host memory directly through UVA,
+  with a bounded number of CTAs.
+
+Jobs whose host blocks are not pinned yet copy from pageable memory in a worker thread,
+on a stream of their own per direction (``pageable``).
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from asyncpin._cudart import Runtime
+from asyncpin.engines.cuda.lanes import Lane
+from asyncpin.engines.cuda.plan import (
+    BATCH_MIN_BLOCK_BYTES,
+    KERNEL_WORD,
+    AddressPlan,
+    is_small,
+    pack_slots,
+)
+from asyncpin.gate import outside_captures
+from asyncpin.kv import KVLayout
+from asyncpin.transfers import TransferJob
+
+__all__ = ["KERNEL_CTAS", "CopyMethods", "load_kernel", "on_device"]
+
+# Copy kernel CTAs: enough to reach the bus's speed, few enough to leave the SMs to the
+# model (BENCH.md: 8 CTAs reach 50 GB/s D2H, H2D needs 32).
+KERNEL_CTAS = {"store": 16, "load": 32}
+_PACK_CTAS = 132
+
+
+def load_kernel() -> Any:
+    """The Triton copy kernel, or None where there is no Triton."""
+    try:
+        from asyncpin._kernels import kv_copy
+    except ImportError:  # no Triton: the batch method only
+        return None
+    return kv_copy
+
+
+def on_device(index: int) -> contextlib.AbstractContextManager[Any]:
+    """Device ``index`` made current, unless it is already."""
+    if torch.cuda.current_device() == index:
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
+
+
+class CopyMethods:
+    """The copy methods of one layout over one host region. Each queues a job's work on
+    its lane and returns the stream whose end is the job's end. ``kernel`` is the copy
+    kernel where the layout may run it, else None (then only ``batch`` and ``pageable``
+    are called)."""
+
+    def __init__(self, rt: Runtime, layout: KVLayout, plan: AddressPlan, kernel: Any) -> None:
+        self._rt = rt
+        self._layout = layout
+        self._plan = plan
+        self.kernel = kernel
+        # The array table on the device, for the copy kernel: to_device() at prepare.
+        self._ptrs = self._strides = torch.empty(0, dtype=torch.int64)
+
+    def to_device(self, device: torch.device) -> None:
+        self._ptrs = self._plan.ptrs_cpu.to(device)
+        self._strides = self._plan.strides_cpu.to(device)
+
+    def release(self) -> None:
+        """Device memory back to torch's allocator (at close)."""
+        self._ptrs = self._strides = torch.empty(0, dtype=torch.int64)
+
+    # -- ordering -----------------------------------------------------------------------
+
+    def start(self, stream: torch.cuda.Stream, job: TransferJob, lane: Lane) -> None:
+        """``stream`` waits for the caller's stream and for the direction's previous job."""
+        self.after_caller(stream, job, lane)
+        self._rt.wait(stream.cuda_stream, lane.last)
+
+    def after_caller(self, stream: torch.cuda.Stream, job: TransferJob, lane: Lane) -> None:
+        """``stream`` waits for the work queued on the caller's stream at submission."""
+        if job.ready is not None:
+            stream.wait_event(job.ready)
+        else:
+            self._rt.wait(stream.cuda_stream, lane.ready)
+
+    def join(self, lane: Lane) -> torch.cuda.Stream:
+        """The kernel stream waits for everything queued so far on the DMA streams."""
+        for dma, moved in zip(lane.dma, lane.moved, strict=True):
+            self._rt.record(moved, dma.cuda_stream)
+            self._rt.wait(lane.kernel.cuda_stream, moved)
+        return lane.kernel
+
+    # -- batch --------------------------------------------------------------------------
+
+    def batch(self, job: TransferJob, lane: Lane) -> torch.cuda.Stream:
+        to_host = job.transfer.direction == "store"
+        plan = self._plan
+        size = plan.block_bytes
+        if is_small(job.transfer.num_blocks, plan.num_arrays):
+            stream = lane.dma[0]
+            self.start(stream, job, lane)
+            host, device, sizes = plan.small_segments(job.gpu_ids, job.cpu_ids)
+            addresses = [array.array("Q", a) for a in (host, device, sizes)]
+            dst, src = (addresses[0], addresses[1]) if to_host else (addresses[1], addresses[0])
+            self._rt.copy_segments(dst, src, addresses[2], stream.cuda_stream)
+            job.keep += addresses
+            return stream
+        # Many small segments make the batched call itself slow (about 0.8 us each), and
+        # the driver starts copying while it is still in it: a second stream would only
+        # start after the first call returns. Large segments use both DMA streams (up to
+        # 64 segments, whatever their size, take the one-stream small path above).
+        streams = lane.dma if size >= BATCH_MIN_BLOCK_BYTES else lane.dma[:1]
+        for stream in streams:
+            self.start(stream, job, lane)
+        dev, hst = plan.segments(job.gpu_ids, job.cpu_ids)
+        job.keep += self.copy_host(
+            hst, dev, torch.full_like(dev, size), to_host=to_host, streams=streams
+        )
+        return self.join(lane)
+
+    def copy_host(
+        self,
+        host: torch.Tensor,
+        device: torch.Tensor,
+        sizes: torch.Tensor,
+        *,
+        to_host: bool,
+        streams: Sequence[torch.cuda.Stream],
+    ) -> list[torch.Tensor]:
+        """DMA between host ranges of the region and device ranges, spread over
+        ``streams``; returns the address tensors to keep alive. A DMA must not span two
+        registrations (the driver answers cudaErrorInvalidValue), so ranges are cut at
+        chunk boundaries."""
+        host, device, sizes = self._plan.cut_tensors(host, device, sizes)
+        k, keep = len(streams), []
+        for i, stream in enumerate(streams):
+            h, d, z = (t[i::k].contiguous() for t in (host, device, sizes))
+            if to_host:
+                self._rt.copy_segments(h, d, z, stream.cuda_stream)
+            else:
+                self._rt.copy_segments(d, h, z, stream.cuda_stream)
+            keep += [h, d, z]
+        return keep
+
+    # -- pageable jobs, in a worker thread ------------------------------------------------
+
+    def pageable(self, job: TransferJob, stream: torch.cuda.Stream) -> None:
+        """Copy on ``stream`` (the lane's pageable stream) and wait, in this worker thread,
+        on the job's device: the host waits for pageable copies anyway. Pageable jobs
+        have a stream of their own per direction, so they take no part in the order of
+        pinned jobs. Whatever happens, the thread returns only once the stream has
+        drained, so nothing the copy touches is released early."""
+        try:
+            stream.wait_event(job.ready)
+            device, host = self._plan.segments(job.gpu_ids, job.cpu_ids)
+            sizes = torch.full_like(device, self._plan.block_bytes)
+            job.keep += self.copy_host(
+                host, device, sizes, to_host=job.transfer.direction == "store", streams=[stream]
+            )
+        finally:
+            done = torch.cuda.Event(blocking=True)
+            done.record(stream)
+            job.transfer.event = done
+            done.synchronize()
+
+    # -- the copy kernel ----------------------------------------------------------------
+
+    def ids_on_device(self, lane: Lane, first: list[int], second: list[int]) -> torch.Tensor:
+        """``[2, n]`` int64 ids in the lane's device buffer, copied on its kernel stream, on
+        which every reader of the buffer runs (n > 0: empty jobs finish in ``submit``).
+
+        The ids go up from pageable memory in one batched call that reads them before it
+        returns: no pinned buffer, so no call that a CUDA graph capture on another thread
+        forbids (torch's pinned-memory cache queries events to reuse its blocks)."""
+        n = len(first)
+        ids = lane.ids[: 2 * n].view(2, n)
+        flat = array.array("q", [*first, *second])
+        if self._rt.batch is not None:
+            self._rt.upload(ids.data_ptr(), flat, lane.kernel.cuda_stream)
+            return ids
+        # No batched call (CUDA < 12.8): through torch's pinned-memory cache, which a
+        # capture under way on another thread forbids: held back until it ends.
+        with outside_captures():
+            pinned = torch.frombuffer(flat, dtype=torch.int64).pin_memory()
+        with torch.cuda.stream(lane.kernel):
+            return ids.copy_(pinned.view(2, n), non_blocking=True)
+
+    def launch(
+        self, ids: torch.Tensor, host_base: int, *, to_host: bool, ctas: int, count: int = -1
+    ) -> None:
+        """The copy kernel on the current torch stream: block ``ids[0, i]`` of every array
+        to or from slot ``ids[1, i]`` of a block-major buffer at ``host_base`` (``count``
+        blocks: all of ``ids`` by default)."""
+        layout = self._layout
+        assert self.kernel is not None
+        n_segments = (ids.shape[1] if count < 0 else count) * layout.num_arrays
+        self.kernel[(max(min(ctas, n_segments), 1),)](
+            ids[0],
+            ids[1],
+            self._ptrs,
+            self._strides,
+            host_base,
+            n_segments,
+            layout.num_arrays,
+            layout.block_bytes // KERNEL_WORD,
+            TO_HOST=to_host,
+            BLOCK=512,
+        )
+
+    def uva_kernel(self, job: TransferJob, lane: Lane) -> torch.cuda.Stream:
+        direction = job.transfer.direction
+        self.start(lane.kernel, job, lane)
+        with torch.cuda.stream(lane.kernel):
+            ids = self.ids_on_device(lane, job.gpu_ids, job.cpu_ids)
+            self.launch(
+                ids, self._plan.host_base, to_host=direction == "store", ctas=KERNEL_CTAS[direction]
+            )
+        return lane.kernel
+
+    def pack(self, job: TransferJob, lane: Lane) -> torch.cuda.Stream:
+        """Pieces of the job go through the two staging halves in turn, so the kernel
+        fills (store) or drains (load) one half while DMAs move the other. A piece's DMAs
+        are planned in plain Python just before it is queued (``AddressPlan.pack_pieces``
+        is lazy): the first piece goes out at once, and no torch op hands the GIL to
+        another submitting thread meanwhile."""
+        rt, plan = self._rt, self._plan
+        store = job.transfer.direction == "store"
+        kernel, dma = lane.kernel, lane.dma
+        self.start(kernel, job, lane)
+        buffer = lane.staging
+        assert buffer is not None  # allocated when the job was submitted (_staged)
+        per_piece = buffer.shape[1] // plan.host_block_bytes
+        n = job.transfer.num_blocks
+        if not store:
+            # A load's DMAs read host blocks that work on the caller's stream may still
+            # write; the staging halves order them after earlier loads.
+            for stream in dma:
+                self.after_caller(stream, job, lane)
+        with torch.cuda.stream(kernel):
+            # The slot of block i: i % per_piece.
+            ids = self.ids_on_device(lane, job.gpu_ids, pack_slots(n, per_piece))
+            pieces = plan.pack_pieces(
+                job.cpu_ids, per_piece=per_piece, halves=lane.halves, first_half=lane.half
+            )
+            for piece in pieces:
+                lane.half = piece.half ^ 1
+                staging, free = lane.halves[piece.half], lane.free[piece.half]
+                piece_ids = ids[:, piece.lo : piece.lo + per_piece]
+                ranges = piece.dmas
+                job.keep.append(ranges)
+                if store:
+                    # The half is free once both DMA streams have read it; neither DMA
+                    # stream waits for the other.
+                    for event in free:
+                        rt.wait(kernel.cuda_stream, event)
+                    self.launch(piece_ids, staging, to_host=True, ctas=_PACK_CTAS)
+                    rt.record(lane.step, kernel.cuda_stream)
+                    for k, (host, local, sizes) in enumerate(ranges):
+                        rt.wait(dma[k].cuda_stream, lane.step)
+                        rt.copy_segments(host, local, sizes, dma[k].cuda_stream)
+                        rt.record(free[k], dma[k].cuda_stream)
+                else:
+                    for k, (host, local, sizes) in enumerate(ranges):
+                        rt.wait(dma[k].cuda_stream, free[k])
+                        rt.copy_segments(local, host, sizes, dma[k].cuda_stream)
+                        rt.record(lane.moved[k], dma[k].cuda_stream)
+                        rt.wait(kernel.cuda_stream, lane.moved[k])
+                    self.launch(piece_ids, staging, to_host=False, ctas=_PACK_CTAS)
+                    for event in free:
+                        rt.record(event, kernel.cuda_stream)
+        return self.join(lane) if store else kernel

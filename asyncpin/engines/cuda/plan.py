@@ -1,0 +1,290 @@
+"""The CUDA engine's plan, pure: addresses, chunk cuts, pack pieces and the method a job
+runs with, from ints and lists (torch CPU tensors for large jobs). No CUDA call is made
+here, so that every piece is tested without a GPU.
+
+The copy kernel moves 8-byte words (``KERNEL_WORD``). A misaligned access faults with
+cudaErrorMisalignedAddress, an error that poisons the CUDA context for the rest of the
+process, so the kernel runs only on a layout where every address it computes (each
+array's base, its block stride, the block size and so every host block and staging slot)
+is a multiple of the word (``kernel_misalignment``, decided when the engine is made). On
+any other layout (device arrays that start a few bytes into a buffer, say) ``auto`` is
+``batch``, and an explicit ``pack`` or ``kernel`` runs as ``batch`` (DMA copies any
+alignment): ``Transfer.method`` says so, and the first such request per method is logged.
+
+A DMA must not span two registrations (the driver answers cudaErrorInvalidValue): host
+ranges are cut at chunk boundaries (``chunk_bytes`` spans from the region's start) by one
+cutter, ``AddressPlan.cut``, whichever method plans them.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal, overload
+
+import torch
+
+__all__ = [
+    "BATCH_MIN_BLOCK_BYTES",
+    "KERNEL_WORD",
+    "SMALL_SEGMENTS",
+    "AddressPlan",
+    "PackPiece",
+    "choose_method",
+    "is_small",
+    "kernel_misalignment",
+    "pack_slots",
+]
+
+# Bytes the copy kernel moves per load and store (int64 words): see kernel_misalignment.
+KERNEL_WORD = 8
+# From here on one DMA per segment is as fast as packing (H200: 2 MiB batch 51.5 GB/s,
+# pack 49.9; at 256 KiB batch 45.4, pack 49.4): bench/RESULTS.md.
+BATCH_MIN_BLOCK_BYTES = 1 << 20
+# Up to this many segments (one block of a 32-layer K/V layout) a transfer is submitted
+# with plain-Python addresses, one batched DMA call and one stream: every torch op on a
+# CPU tensor would cost more than the copy's own submission.
+SMALL_SEGMENTS = 64
+
+# (host, other, sizes) address arrays for each of the two DMA streams.
+StreamDmas = list[tuple["array.array[int]", "array.array[int]", "array.array[int]"]]
+
+
+def kernel_misalignment(
+    *,
+    array_ptrs: Sequence[int],
+    array_strides: Sequence[int],
+    block_bytes: int,
+    num_arrays: int,
+    host_bases: Sequence[int],
+    word: int = KERNEL_WORD,
+) -> str | None:
+    """Why the copy kernel must not run on this layout, or None when it may.
+
+    The kernel reads and writes ``word``-byte words at ``array_ptrs[a] + g *
+    array_strides[a] + k * word`` on the device and ``base + (c * num_arrays + a) *
+    block_bytes + k * word`` on the host side (``base``: the pinned region, or a pack
+    staging half), for any block ``g``, host block or slot ``c``, array ``a``. Every one
+    is a multiple of ``word`` exactly when each term is: each array's base address and
+    block stride (bytes), the block size (so that a block is whole words and host blocks,
+    ``num_arrays * block_bytes`` apart, and staging slots start on one), and each host
+    base. A pure function of addresses, so that it is tested without a GPU."""
+    checks: list[tuple[str, int]] = [
+        ("block size", block_bytes),
+        ("host block size", block_bytes * num_arrays),
+    ]
+    for a, (ptr, stride) in enumerate(zip(array_ptrs, array_strides, strict=True)):
+        checks += [
+            (f"device array {a}'s address", ptr),
+            (f"device array {a}'s block stride", stride),
+        ]
+    checks += [(f"host base {n}", base) for n, base in enumerate(host_bases)]
+    for what, value in checks:
+        if value % word:
+            return f"{what} ({value:#x}) is not a multiple of the copy kernel's {word}-byte word"
+    return None
+
+
+def is_small(num_blocks: int, num_arrays: int) -> bool:
+    """Whether a job takes the small path (``SMALL_SEGMENTS`` segments at most)."""
+    return num_blocks * num_arrays <= SMALL_SEGMENTS
+
+
+def choose_method(
+    requested: str,
+    *,
+    num_blocks: int,
+    num_arrays: int,
+    block_bytes: int,
+    pageable: bool,
+    kernel_usable: bool,
+    staged: Callable[[], bool],
+) -> str:
+    """The method a job runs with. Never the copy kernel (pack, kernel) unless
+    ``kernel_usable`` (Triton is there and the layout is safe for it: a misaligned access
+    would end the process's CUDA context). ``staged()`` says whether the direction's pack
+    staging exists or could be made now; it is asked only for a pack job that moves
+    blocks."""
+    if pageable or not kernel_usable:
+        return "batch"
+    if requested != "auto":
+        method = requested
+    elif is_small(num_blocks, num_arrays):
+        return "batch"
+    else:
+        method = "batch" if block_bytes >= BATCH_MIN_BLOCK_BYTES else "pack"
+    if method == "pack" and num_blocks and not staged():
+        return "batch"
+    return method
+
+
+def pack_slots(n: int, per_piece: int) -> list[int]:
+    """The staging slot of each of a pack job's ``n`` blocks: block i is slot
+    ``i % per_piece`` of its piece."""
+    return list(range(per_piece)) * (n // per_piece) + list(range(n % per_piece))
+
+
+@dataclass(frozen=True, eq=False)
+class PackPiece:
+    """One piece of a pack job: blocks ``[lo, lo + count)`` of the job through staging
+    half ``half``, moved by ``dmas`` (host, staging, sizes per DMA stream)."""
+
+    lo: int
+    count: int
+    half: int
+    dmas: StreamDmas
+
+
+class AddressPlan:
+    """The addresses of one layout over one host region: segments, chunk cuts, pack DMAs.
+
+    Segment ``(g, a)`` (device block ``g`` of array ``a``) lies at ``array_ptrs[a] + g *
+    array_strides[a]`` on the device; host block ``c``'s copy of it at ``host_base + (c *
+    num_arrays + a) * block_bytes`` (block-major)."""
+
+    def __init__(
+        self,
+        *,
+        array_ptrs: Sequence[int],
+        array_strides: Sequence[int],
+        block_bytes: int,
+        host_base: int,
+        chunk_bytes: int,
+    ) -> None:
+        self.num_arrays = len(array_ptrs)
+        self.block_bytes = block_bytes
+        self.host_block_bytes = block_bytes * self.num_arrays
+        self.host_base = host_base
+        self.chunk_bytes = chunk_bytes
+        # Host blocks start at the region's start, as chunks do: no block crosses a
+        # registration boundary when blocks tile chunks.
+        self.blocks_tile_chunks = chunk_bytes % self.host_block_bytes == 0
+        # The same table two ways: python (small transfers) and CPU tensors.
+        self._arrays = list(zip(array_ptrs, array_strides, strict=True))
+        self._offsets = [a * block_bytes for a in range(self.num_arrays)]
+        self.ptrs_cpu = torch.tensor(list(array_ptrs), dtype=torch.int64)
+        self.strides_cpu = torch.tensor(list(array_strides), dtype=torch.int64)
+        self._arange_arrays = torch.arange(self.num_arrays, dtype=torch.int64)
+
+    # -- segments ---------------------------------------------------------------------
+
+    @overload
+    def segments(
+        self, gpu_ids: list[int], cpu_ids: list[int], *, tensors: Literal[True] = ...
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @overload
+    def segments(
+        self, gpu_ids: list[int], cpu_ids: list[int], *, tensors: Literal[False]
+    ) -> tuple[list[int], list[int]]: ...
+
+    def segments(
+        self, gpu_ids: list[int], cpu_ids: list[int], *, tensors: bool = True
+    ) -> tuple[list[int], list[int]] | tuple[torch.Tensor, torch.Tensor]:
+        """Device and host addresses of every (block, array) segment, block by block: as
+        int64 CPU tensors, or (``tensors=False``, for small jobs: a torch op costs
+        microseconds) as plain lists."""
+        if not tensors:
+            base, block = self.host_base, self.host_block_bytes
+            device = [p + g * stride for g in gpu_ids for p, stride in self._arrays]
+            host = [base + c * block + off for c in cpu_ids for off in self._offsets]
+            return device, host
+        g = torch.tensor(gpu_ids, dtype=torch.int64)[:, None]
+        c = torch.tensor(cpu_ids, dtype=torch.int64)[:, None]
+        device_t = (self.ptrs_cpu[None, :] + g * self.strides_cpu[None, :]).reshape(-1)
+        host_t = (
+            self.host_base + (c * self.num_arrays + self._arange_arrays[None, :]) * self.block_bytes
+        ).reshape(-1)
+        return device_t, host_t
+
+    def small_segments(
+        self, gpu_ids: list[int], cpu_ids: list[int]
+    ) -> tuple[list[int], list[int], list[int]]:
+        """A small job's (host, device, sizes) lists, cut at chunk boundaries."""
+        device, host = self.segments(gpu_ids, cpu_ids, tensors=False)
+        sizes = [self.block_bytes] * len(host)
+        if self.blocks_tile_chunks:
+            return host, device, sizes
+        return self.cut(host, device, sizes)
+
+    # -- chunk cuts -------------------------------------------------------------------
+
+    def _cut_range(self, h: int, o: int, z: int) -> Iterator[tuple[int, int, int]]:
+        """Range ``[h, h + z)`` of the region (and its partner at ``o``) cut at chunk
+        boundaries."""
+        base, chunk = self.host_base, self.chunk_bytes
+        while z > 0:
+            part = min(z, base + ((h - base) // chunk + 1) * chunk - h)
+            yield h, o, part
+            h, o, z = h + part, o + part, z - part
+
+    def cut(
+        self, host: list[int], other: list[int], sizes: list[int]
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Host ranges (and their partners) cut at chunk boundaries, in order."""
+        parts = [
+            p for h, o, z in zip(host, other, sizes, strict=True) for p in self._cut_range(h, o, z)
+        ]
+        return [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts]
+
+    def cut_tensors(
+        self, host: torch.Tensor, other: torch.Tensor, sizes: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``cut`` for int64 tensors: the ranges that cross a boundary go last, in parts."""
+        base, chunk = self.host_base, self.chunk_bytes
+        crosses = (host - base) // chunk != (host + sizes - 1 - base) // chunk
+        if not bool(crosses.any()):
+            return host, other, sizes
+        parts = self.cut(host[crosses].tolist(), other[crosses].tolist(), sizes[crosses].tolist())
+        extra = torch.tensor(parts, dtype=torch.int64)
+        keep = ~crosses
+        return (
+            torch.cat([host[keep], extra[0]]),
+            torch.cat([other[keep], extra[1]]),
+            torch.cat([sizes[keep], extra[2]]),
+        )
+
+    # -- pack -------------------------------------------------------------------------
+
+    def piece_dmas(self, cpu_ids: list[int], staging: int) -> StreamDmas:
+        """The DMAs of one pack piece, as (host, staging, sizes) address arrays for each
+        of the two DMA streams: one DMA per run of consecutive host blocks, never across
+        a registration (chunk) boundary, dealt alternately to the streams."""
+        size, base, chunk = self.host_block_bytes, self.host_base, self.chunk_bytes
+        host: list[int] = []
+        local: list[int] = []
+        sizes: list[int] = []
+        for j, c in enumerate(cpu_ids):
+            h = base + c * size
+            # Blocks that tile chunks cross no boundary; a run is not merged across a
+            # chunk's start.
+            if host and h == host[-1] + sizes[-1] and (h - base) % chunk:
+                sizes[-1] += size
+            else:
+                host.append(h)
+                local.append(staging + j * size)
+                sizes.append(size)
+        if not self.blocks_tile_chunks:
+            host, local, sizes = self.cut(host, local, sizes)
+        return [
+            (
+                array.array("Q", host[k::2]),
+                array.array("Q", local[k::2]),
+                array.array("Q", sizes[k::2]),
+            )
+            for k in range(2)
+        ]
+
+    def pack_pieces(
+        self, cpu_ids: list[int], *, per_piece: int, halves: Sequence[int], first_half: int
+    ) -> Iterator[PackPiece]:
+        """A pack job's pieces in order, through the two staging halves (addresses
+        ``halves``) in turn from ``first_half``. Lazy: a piece's DMAs are planned in plain
+        Python when it is asked for, just before it is queued, so the first piece goes
+        out at once and no torch op hands the GIL to another submitting thread."""
+        half = first_half
+        for lo in range(0, len(cpu_ids), per_piece):
+            piece = cpu_ids[lo : lo + per_piece]
+            yield PackPiece(lo, len(piece), half, self.piece_dmas(piece, halves[half]))
+            half ^= 1

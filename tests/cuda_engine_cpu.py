@@ -1,0 +1,55 @@
+"""The CUDA engine made on the CPU, for tests of its logic without a GPU: a stand-in
+runtime and copy kernel, KV arrays that are CPU tensors (the engine only reads their
+addresses until it is prepared)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import asyncpin.engines.cuda as ct
+from asyncpin import KVLayout
+from asyncpin.abc import EngineSetup
+from asyncpin.engines.cuda import CudaTransferEngine
+
+
+def offset_layout(offset: int, block: int, *, blocks: int = 256, arrays: int = 4) -> KVLayout:
+    """``arrays`` arrays of ``block``-byte blocks, back to back in one buffer from byte
+    ``offset``."""
+    span = blocks * block
+    buffer = torch.zeros(offset + arrays * span, dtype=torch.uint8)
+    views = [
+        buffer[offset + a * span : offset + (a + 1) * span].view(blocks, block)
+        for a in range(arrays)
+    ]
+    return KVLayout.from_tensors(views)
+
+
+@contextmanager
+def cpu_engine(
+    monkeypatch: pytest.MonkeyPatch,
+    layout: KVLayout,
+    *,
+    kernel: Any = None,
+    host_blocks: int = 256,
+    chunk_bytes: int = 1 << 30,
+    start_soon: Callable[..., object] = lambda *args: None,
+) -> Iterator[CudaTransferEngine]:
+    """The engine as the manager makes it (call it on the event loop), its copy kernel
+    ``kernel`` (None: no Triton). Its threads end on exit."""
+    monkeypatch.setattr(ct, "Runtime", lambda: SimpleNamespace())
+    monkeypatch.setattr(ct, "load_kernel", lambda: kernel)
+    host = torch.zeros(host_blocks, layout.num_arrays, *layout.block_shape, dtype=layout.dtype)
+    assert host.data_ptr() % 16 == 0  # as the region is (page-aligned)
+    engine = CudaTransferEngine(EngineSetup(layout, host, chunk_bytes, start_soon))
+    threads = engine._submitter, engine._completion  # a test may stand others in
+    try:
+        yield engine
+    finally:
+        for owner in threads:
+            owner.close()

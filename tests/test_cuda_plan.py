@@ -1,0 +1,349 @@
+"""The CUDA engine's plan, pure (no GPU): segment addresses, the chunk cutter, the pack
+method's pieces and DMAs, and the choice of method.
+
+Pack: every byte of a piece's staging slots comes from its host block, no DMA spans two
+registrations, runs of consecutive host blocks merge, and the DMAs are dealt alternately
+to two streams."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from asyncpin.engines.cuda.plan import (
+    SMALL_SEGMENTS,
+    AddressPlan,
+    PackPiece,
+    choose_method,
+    is_small,
+    pack_slots,
+)
+
+BASE, STAGING, DEVICE = 1 << 40, 1 << 44, 1 << 46
+
+
+def _plan(block: int, chunk: int, *, arrays: int = 1) -> AddressPlan:
+    """Host blocks of ``block`` bytes (``arrays`` arrays of ``block // arrays``) from
+    ``BASE``, registered in ``chunk``-byte spans."""
+    part = block // arrays
+    return AddressPlan(
+        array_ptrs=[DEVICE + a * (1 << 30) for a in range(arrays)],
+        array_strides=[2 * part + 8] * arrays,
+        block_bytes=part,
+        host_base=BASE,
+        chunk_bytes=chunk,
+    )
+
+
+def _ids(rng: random.Random, n: int, limit: int, *, repeats: bool) -> list[int]:
+    """Host ids with some runs of consecutive blocks. A load's may repeat (only its device
+    destinations must be distinct); a store's may not."""
+    ids: list[int] = []
+    free = list(range(limit))
+    rng.shuffle(free)
+    taken: set[int] = set()
+    for start in free:
+        for c in range(start, min(start + rng.choice([1, 1, 3, 9]), limit)):
+            if len(ids) < n and (repeats or c not in taken):
+                ids.append(c)
+                taken.add(c)
+        if repeats and ids and rng.random() < 0.2:
+            ids.append(rng.choice(ids))  # the same host block read again
+    return ids[:n]
+
+
+@pytest.mark.parametrize(
+    ("block", "chunk"),
+    [(64, 256), (64, 64), (48, 128), (96, 64)],
+    ids=["blocks tile chunks", "block = chunk", "blocks straddle chunks", "block > chunk"],
+)
+@pytest.mark.parametrize("repeats", [False, True], ids=["store ids", "load ids"])
+@pytest.mark.parametrize("seed", range(5))
+def test_every_byte_lands_in_its_slot(block: int, chunk: int, repeats: bool, seed: int) -> None:
+    rng = random.Random(seed)
+    addresses = _plan(block, chunk)
+    cpu = _ids(rng, rng.randint(1, 40), 64, repeats=repeats)
+    plan = addresses.piece_dmas(cpu, STAGING)
+    assert len(plan) == 2
+    source: dict[int, int] = {}  # staging byte -> the host byte it is copied with
+    dmas = []
+    for host, local, sizes in plan:
+        assert len(host) == len(local) == len(sizes)
+        dmas.append(list(zip(host, local, sizes, strict=True)))
+        for h, loc, z in zip(host, local, sizes, strict=True):
+            assert z > 0
+            assert (h - BASE) // chunk == (h + z - 1 - BASE) // chunk, "a DMA spans two chunks"
+            for t in range(z):
+                assert loc + t not in source, "a staging byte is copied twice"
+                source[loc + t] = h + t
+    expected = {
+        STAGING + j * block + t: BASE + c * block + t
+        for j, c in enumerate(cpu)
+        for t in range(block)
+    }
+    assert source == expected
+    # Dealt alternately: stream 0 has the 1st, 3rd, ... DMA of the piece, in slot order.
+    pairs = zip(dmas[0], dmas[1], strict=False)
+    merged = [d for pair in pairs for d in pair] + dmas[0][len(dmas[1]) :]
+    assert len(dmas[0]) - len(dmas[1]) in (0, 1)
+    assert [loc for _, loc, _ in merged] == sorted(loc for _, loc, _ in merged)
+
+
+def _runs(plan: Sequence[Sequence[Any]]) -> list[tuple[int, int]]:
+    return sorted((h, z) for host, _, sizes in plan for h, z in zip(host, sizes, strict=True))
+
+
+def test_consecutive_blocks_merge_up_to_a_chunk_boundary() -> None:
+    addresses = _plan(64, 256)  # four blocks per chunk
+    runs = _runs(addresses.piece_dmas([1, 2, 3, 4, 5, 9], STAGING))
+    # Blocks 1-3 end chunk 0, 4-5 start chunk 1, 9 is alone.
+    assert runs == [(BASE + 64, 192), (BASE + 256, 128), (BASE + 576, 64)]
+
+
+def test_consecutive_blocks_merge_then_cut_where_blocks_straddle_chunks() -> None:
+    addresses = _plan(48, 128)  # blocks 0-5 (288 bytes) cross chunk starts at 128 and 256
+    runs = _runs(addresses.piece_dmas([0, 1, 2, 3, 4, 5], STAGING))
+    # One run cut at the two chunk starts; block by block it would be eight DMAs.
+    assert runs == [(BASE, 128), (BASE + 128, 128), (BASE + 256, 32)]
+
+
+def test_a_host_block_read_twice_is_two_dmas() -> None:
+    addresses = _plan(64, 1024)
+    plan: Sequence[Sequence[Any]] = addresses.piece_dmas([3, 3, 4, 3], STAGING)
+    dmas = sorted(
+        (loc, h, z)
+        for host, local, sizes in plan
+        for h, loc, z in zip(host, local, sizes, strict=True)
+    )
+    # Slot 0 <- block 3; slots 1-2 <- blocks 3-4 (one run); slot 3 <- block 3 again.
+    assert dmas == [
+        (STAGING, BASE + 192, 64),
+        (STAGING + 64, BASE + 192, 128),
+        (STAGING + 192, BASE + 192, 64),
+    ]
+
+
+# -- the chunk cutter -------------------------------------------------------------------
+
+
+def _bytes_by_chunk(ranges: list[tuple[int, int, int]], chunk: int) -> dict[int, int]:
+    """Brute force: each host byte of ``ranges`` (host, other, size) mapped to its
+    partner byte, checking that no range holds bytes of two chunks."""
+    pairs: dict[int, int] = {}
+    for h, o, z in ranges:
+        assert z > 0
+        assert len({(h + t - BASE) // chunk for t in range(z)}) == 1, "a range spans chunks"
+        for t in range(z):
+            pairs[h + t] = o + t
+    return pairs
+
+
+class TestChunkCutter:
+    """Host ranges are cut exactly at chunk starts (from the region's base), nowhere else."""
+
+    @pytest.mark.parametrize(
+        ("start", "size", "parts"),
+        [
+            (0, 64, 1),  # inside one chunk
+            (0, 256, 1),  # exactly one chunk
+            (200, 56, 1),  # ends on a boundary
+            (200, 100, 2),  # straddles one boundary
+            (200, 600, 4),  # straddles three
+            (256, 768, 3),  # starts on one, whole chunks
+        ],
+    )
+    def test_ranges_straddling_boundaries(self, start: int, size: int, parts: int) -> None:
+        plan = _plan(64, 256)
+        host, other, sizes = plan.cut([BASE + start], [STAGING], [size])
+        assert len(host) == parts and sum(sizes) == size
+        ranges = list(zip(host, other, sizes, strict=True))
+        expected = {BASE + start + t: STAGING + t for t in range(size)}
+        assert _bytes_by_chunk(ranges, 256) == expected
+        assert host == sorted(host)
+
+    def test_blocks_that_tile_chunks_are_never_cut(self) -> None:
+        plan = _plan(64, 256)
+        assert plan.blocks_tile_chunks
+        starts = [BASE + 64 * c for c in range(12)]
+        assert plan.cut(starts, starts, [64] * 12) == (starts, starts, [64] * 12)
+
+    @pytest.mark.parametrize("seed", range(30))
+    def test_random_ranges_against_bytes(self, seed: int) -> None:
+        rng = random.Random(seed)
+        chunk = rng.choice([16, 48, 64, 100])
+        plan = _plan(rng.choice([8, 24, 64]), chunk)
+        ranges = [
+            (BASE + rng.randrange(0, 600), STAGING + 1000 * i, rng.randint(1, 250))
+            for i in range(rng.randint(1, 8))
+        ]
+        host, other, sizes = plan.cut(*(list(x) for x in zip(*ranges, strict=True)))
+        cut = list(zip(host, other, sizes, strict=True))
+        expected: dict[int, int] = {}
+        for h, o, z in ranges:
+            expected.update({h + t: o + t for t in range(z)})
+        assert _bytes_by_chunk(cut, chunk) == expected
+        # Each range's parts are consecutive and in order: only chunk starts cut them.
+        assert all((h - BASE) % chunk == 0 for h, _, _ in cut if h not in [r[0] for r in ranges])
+        # The tensor form cuts the same ranges (those that cross go last).
+        t_host, t_other, t_sizes = plan.cut_tensors(
+            *(torch.tensor(list(x), dtype=torch.int64) for x in zip(*ranges, strict=True))
+        )
+        tensor_cut = list(zip(t_host.tolist(), t_other.tolist(), t_sizes.tolist(), strict=True))
+        assert sorted(tensor_cut) == sorted(cut)
+
+
+# -- segment addresses --------------------------------------------------------------------
+
+
+class TestSegments:
+    """One definition of a segment's addresses, as lists (small jobs) or tensors."""
+
+    @pytest.mark.parametrize("arrays", [1, 3, 16])
+    def test_lists_and_tensors_agree(self, arrays: int) -> None:
+        plan = _plan(64 * arrays, 1 << 20, arrays=arrays)
+        rng = random.Random(arrays)
+        gpu = [rng.randrange(100) for _ in range(9)]
+        cpu = [rng.randrange(100) for _ in range(9)]
+        device, host = plan.segments(gpu, cpu, tensors=False)
+        device_t, host_t = plan.segments(gpu, cpu)
+        assert device == device_t.tolist() and host == host_t.tolist()
+        # Block by block, array by array, as the kernel and the host layout define them.
+        stride = 2 * 64 + 8
+        assert device[:arrays] == [DEVICE + a * (1 << 30) + gpu[0] * stride for a in range(arrays)]
+        assert host[:arrays] == [BASE + (cpu[0] * arrays + a) * 64 for a in range(arrays)]
+
+    def test_small_segments_are_cut_where_blocks_straddle_chunks(self) -> None:
+        plan = _plan(96, 64, arrays=2)  # 48-byte segments, 64-byte chunks
+        host, device, sizes = plan.small_segments([0, 1], [0, 1])
+        ranges = list(zip(host, device, sizes, strict=True))
+        d, h = plan.segments([0, 1], [0, 1], tensors=False)
+        expected: dict[int, int] = {}
+        for hh, dd in zip(h, d, strict=True):
+            expected.update({hh + t: dd + t for t in range(48)})
+        assert _bytes_by_chunk(ranges, 64) == expected
+        assert len(ranges) > len(h)
+
+    def test_small_means_at_most_64_segments(self) -> None:
+        assert is_small(4, 16) and not is_small(5, 16) and is_small(SMALL_SEGMENTS, 1)
+
+
+# -- pack pieces ----------------------------------------------------------------------------
+
+
+class TestPackPieces:
+    """Pieces are planned lazily, cover the job exactly, and alternate staging halves."""
+
+    def test_a_generator_planning_each_piece_when_asked(self) -> None:
+        plan = _plan(64, 256)
+        calls: list[int] = []
+        real = plan.piece_dmas
+
+        def counted(cpu_ids: list[int], staging: int) -> Any:
+            calls.append(len(cpu_ids))
+            return real(cpu_ids, staging)
+
+        plan.piece_dmas = counted  # type: ignore[method-assign]
+        pieces = plan.pack_pieces(list(range(10)), per_piece=4, halves=(STAGING, 0), first_half=0)
+        assert isinstance(pieces, Iterator) and calls == []
+        first = next(pieces)
+        assert calls == [4] and isinstance(first, PackPiece)
+        assert [p.count for p in pieces] == [4, 2] and calls == [4, 4, 2]
+
+    @pytest.mark.parametrize("seed", range(10))
+    def test_pieces_cover_the_job_through_alternate_halves(self, seed: int) -> None:
+        rng = random.Random(seed)
+        block, chunk = rng.choice([(64, 256), (48, 128), (96, 64)])
+        plan = _plan(block, chunk)
+        cpu = _ids(rng, rng.randint(1, 60), 64, repeats=bool(seed % 2))
+        per_piece, first = rng.randint(1, 9), seed % 2
+        halves = (STAGING, STAGING + (1 << 30))
+        pieces = list(plan.pack_pieces(cpu, per_piece=per_piece, halves=halves, first_half=first))
+        assert [p.lo for p in pieces] == list(range(0, len(cpu), per_piece))
+        assert sum(p.count for p in pieces) == len(cpu)
+        assert [p.half for p in pieces] == [(first + i) % 2 for i in range(len(pieces))]
+        for p in pieces:
+            # Each piece's DMAs are the piece's blocks into its half's slots.
+            source: dict[int, int] = {}
+            for host, local, sizes in p.dmas:
+                for h, loc, z in zip(host, local, sizes, strict=True):
+                    assert (h - BASE) // chunk == (h + z - 1 - BASE) // chunk
+                    source.update({loc + t: h + t for t in range(z)})
+            assert source == {
+                halves[p.half] + j * block + t: BASE + c * block + t
+                for j, c in enumerate(cpu[p.lo : p.lo + p.count])
+                for t in range(block)
+            }
+
+    def test_slots_repeat_per_piece(self) -> None:
+        assert pack_slots(7, 3) == [0, 1, 2, 0, 1, 2, 0]
+        assert pack_slots(3, 5) == [0, 1, 2]
+
+
+# -- the choice of method -----------------------------------------------------------------
+
+
+def _choose(
+    requested: str,
+    *,
+    blocks: int = 100,
+    arrays: int = 4,
+    block_bytes: int = 32 << 10,
+    pageable: bool = False,
+    kernel: bool = True,
+    staged: bool = True,
+) -> tuple[str, int]:
+    """The method chosen, and how many times staging was asked for."""
+    asked: list[int] = []
+
+    def stage() -> bool:
+        asked.append(1)
+        return staged
+
+    method = choose_method(
+        requested,
+        num_blocks=blocks,
+        num_arrays=arrays,
+        block_bytes=block_bytes,
+        pageable=pageable,
+        kernel_usable=kernel,
+        staged=stage,
+    )
+    return method, len(asked)
+
+
+class TestChooseMethod:
+    """Every branch of the method choice."""
+
+    @pytest.mark.parametrize("requested", ["auto", "batch", "pack", "kernel"])
+    def test_pageable_is_batch(self, requested: str) -> None:
+        assert _choose(requested, pageable=True) == ("batch", 0)
+
+    @pytest.mark.parametrize("requested", ["auto", "batch", "pack", "kernel"])
+    def test_no_usable_kernel_is_batch(self, requested: str) -> None:
+        assert _choose(requested, kernel=False) == ("batch", 0)
+
+    def test_explicit_methods_are_kept(self) -> None:
+        assert _choose("batch") == ("batch", 0)
+        assert _choose("kernel") == ("kernel", 0)
+        assert _choose("pack") == ("pack", 1)
+        assert _choose("kernel", blocks=1) == ("kernel", 0)  # small jobs too
+
+    def test_auto_small_is_batch(self) -> None:
+        assert _choose("auto", blocks=16, arrays=4) == ("batch", 0)
+
+    def test_auto_large_blocks_is_batch(self) -> None:
+        assert _choose("auto", block_bytes=1 << 20) == ("batch", 0)
+
+    def test_auto_small_blocks_is_pack(self) -> None:
+        assert _choose("auto", block_bytes=(1 << 20) - 8) == ("pack", 1)
+
+    def test_pack_without_staging_is_batch(self) -> None:
+        assert _choose("pack", staged=False) == ("batch", 1)
+        assert _choose("auto", staged=False) == ("batch", 1)
+
+    def test_an_empty_pack_job_asks_for_no_staging(self) -> None:
+        assert _choose("pack", blocks=0, staged=False) == ("pack", 0)
