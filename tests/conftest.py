@@ -1,5 +1,19 @@
+"""Fixtures and collection rules shared by every test module.
+
+Async tests run on one of two plugins:
+
+- marked ``pytest.mark.anyio`` (most modules set ``pytestmark``): anyio's plugin runs each
+  test once per value of the ``anyio_backend`` fixture below, on asyncio and on trio;
+- any other ``async def`` test: pytest-asyncio runs it on asyncio, as if in its auto mode.
+
+pytest-asyncio is in strict mode (pyproject.toml) because its auto mode takes every async
+test, anyio-marked ones included, and would run the trio runs on asyncio;
+:func:`pytest_pycollect_makeitem` gives the asyncio mark to the unmarked ones instead.
+"""
+
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -8,9 +22,42 @@ import pytest
 import torch
 
 from asyncpin import _sys
+from tests.kit import CopyGate
 
 SHM = Path("/dev/shm")
 _SHM_PREFIX = f"asyncpin-test-{os.getpid()}-"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> None:
+    """Mark an async test that anyio does not run with ``asyncio`` (see the module doc)."""
+    if not (inspect.iscoroutinefunction(obj) and name.startswith("test")):
+        return
+    own = [mark.name for mark in getattr(obj, "pytestmark", ())]
+    if "anyio" in own or "asyncio" in own or collector.get_closest_marker("anyio"):
+        return
+    pytest.mark.asyncio(obj)
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """The event loop of an anyio-marked test: each runs once on each."""
+    return str(request.param)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A seeded generator: every run of a test draws the same random bytes."""
+    return torch.Generator().manual_seed(20240607)
+
+
+@pytest.fixture
+def copy_gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[CopyGate]:
+    """Host-engine copies wait in their worker thread until ``copy_gate.release()``."""
+    gate = CopyGate()
+    gate.install(monkeypatch)
+    yield gate
+    gate.release()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

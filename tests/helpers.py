@@ -13,12 +13,13 @@ from typing import Protocol
 import anyio
 import anyio.to_thread
 
-THREAD_TIMEOUT_S = 30.0
+# The bound on every wait in the tests: a broken check fails instead of hanging the run.
+TIMEOUT_S = 30.0
 
 
 async def wait_thread_event(event: threading.Event) -> None:
     """Wait for an event that a worker thread sets, without blocking the event loop."""
-    done = await anyio.to_thread.run_sync(event.wait, THREAD_TIMEOUT_S)
+    done = await anyio.to_thread.run_sync(event.wait, TIMEOUT_S)
     assert done, "thread event never set"
 
 
@@ -37,7 +38,7 @@ def releasing(*holds: Releasable) -> Iterator[None]:
             hold.release()
 
 
-def wait_child(pid: int, timeout_s: float = THREAD_TIMEOUT_S) -> int:
+def wait_child(pid: int, timeout_s: float = TIMEOUT_S) -> int:
     """Wait for a forked child with a bound; returns its exit code (killed on timeout)."""
     pidfd = os.pidfd_open(pid)
     try:
