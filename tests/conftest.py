@@ -84,3 +84,26 @@ def no_leaks() -> Iterator[None]:
 def shm_name(request: pytest.FixtureRequest) -> str:
     """A name for a shared region unique to this test and process."""
     return f"{_SHM_PREFIX}{request.node.name[:60]}".replace("[", "-").replace("]", "")
+
+
+@pytest.fixture
+def balanced_mappings(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, int, int]]]:
+    """Spy on the region's mmap/munmap: whatever a failed call mapped, it unmapped."""
+    calls: list[tuple[str, int, int]] = []
+    real_mmap, real_munmap = _sys.libc_mmap, _sys.libc_munmap
+
+    def spy_mmap(nbytes: int, prot: int, flags: int, fd: int = -1, addr: int = 0) -> int:
+        address = real_mmap(nbytes, prot, flags, fd, addr)
+        calls.append(("mmap", address, nbytes))
+        return address
+
+    def spy_munmap(address: int, nbytes: int) -> None:
+        real_munmap(address, nbytes)
+        calls.append(("munmap", address, nbytes))
+
+    monkeypatch.setattr(_sys, "libc_mmap", spy_mmap)
+    monkeypatch.setattr(_sys, "libc_munmap", spy_munmap)
+    yield calls
+    mapped = sum(n for op, _, n in calls if op == "mmap")
+    unmapped = sum(n for op, _, n in calls if op == "munmap")
+    assert mapped == unmapped, f"mapped {mapped} bytes but unmapped {unmapped}: {calls}"
