@@ -1,5 +1,19 @@
+"""Fixtures and collection rules shared by every test module.
+
+Async tests run on one of two plugins:
+
+- marked ``pytest.mark.anyio`` (most modules set ``pytestmark``): anyio's plugin runs each
+  test once per value of the ``anyio_backend`` fixture below, on asyncio and on trio;
+- any other ``async def`` test: pytest-asyncio runs it on asyncio, as if in its auto mode.
+
+pytest-asyncio is in strict mode (pyproject.toml) because its auto mode takes every async
+test, anyio-marked ones included, and would run the trio runs on asyncio;
+:func:`pytest_pycollect_makeitem` gives the asyncio mark to the unmarked ones instead.
+"""
+
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -8,9 +22,42 @@ import pytest
 import torch
 
 from asyncpin import _sys
+from tests.kit import CopyGate
 
 SHM = Path("/dev/shm")
 _SHM_PREFIX = f"asyncpin-test-{os.getpid()}-"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> None:
+    """Mark an async test that anyio does not run with ``asyncio`` (see the module doc)."""
+    if not (inspect.iscoroutinefunction(obj) and name.startswith("test")):
+        return
+    own = [mark.name for mark in getattr(obj, "pytestmark", ())]
+    if "anyio" in own or "asyncio" in own or collector.get_closest_marker("anyio"):
+        return
+    pytest.mark.asyncio(obj)
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """The event loop of an anyio-marked test: each runs once on each."""
+    return str(request.param)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A seeded generator: every run of a test draws the same random bytes."""
+    return torch.Generator().manual_seed(20240607)
+
+
+@pytest.fixture
+def copy_gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[CopyGate]:
+    """Host-engine copies wait in their worker thread until ``copy_gate.release()``."""
+    gate = CopyGate()
+    gate.install(monkeypatch)
+    yield gate
+    gate.release()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -37,3 +84,26 @@ def no_leaks() -> Iterator[None]:
 def shm_name(request: pytest.FixtureRequest) -> str:
     """A name for a shared region unique to this test and process."""
     return f"{_SHM_PREFIX}{request.node.name[:60]}".replace("[", "-").replace("]", "")
+
+
+@pytest.fixture
+def balanced_mappings(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, int, int]]]:
+    """Spy on the region's mmap/munmap: whatever a failed call mapped, it unmapped."""
+    calls: list[tuple[str, int, int]] = []
+    real_mmap, real_munmap = _sys.libc_mmap, _sys.libc_munmap
+
+    def spy_mmap(nbytes: int, prot: int, flags: int, fd: int = -1, addr: int = 0) -> int:
+        address = real_mmap(nbytes, prot, flags, fd, addr)
+        calls.append(("mmap", address, nbytes))
+        return address
+
+    def spy_munmap(address: int, nbytes: int) -> None:
+        real_munmap(address, nbytes)
+        calls.append(("munmap", address, nbytes))
+
+    monkeypatch.setattr(_sys, "libc_mmap", spy_mmap)
+    monkeypatch.setattr(_sys, "libc_munmap", spy_munmap)
+    yield calls
+    mapped = sum(n for op, _, n in calls if op == "mmap")
+    unmapped = sum(n for op, _, n in calls if op == "munmap")
+    assert mapped == unmapped, f"mapped {mapped} bytes but unmapped {unmapped}: {calls}"

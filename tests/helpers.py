@@ -8,17 +8,24 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import anyio.to_thread
+import pytest
 
-THREAD_TIMEOUT_S = 30.0
+from asyncpin import AsyncpinError, OffloadManager
+
+# The bound on every wait in the tests: a broken check fails instead of hanging the run.
+TIMEOUT_S = 30.0
+
+E = TypeVar("E", bound=BaseException)
 
 
 async def wait_thread_event(event: threading.Event) -> None:
     """Wait for an event that a worker thread sets, without blocking the event loop."""
-    done = await anyio.to_thread.run_sync(event.wait, THREAD_TIMEOUT_S)
+    done = await anyio.to_thread.run_sync(event.wait, TIMEOUT_S)
     assert done, "thread event never set"
 
 
@@ -37,7 +44,7 @@ def releasing(*holds: Releasable) -> Iterator[None]:
             hold.release()
 
 
-def wait_child(pid: int, timeout_s: float = THREAD_TIMEOUT_S) -> int:
+def wait_child(pid: int, timeout_s: float = TIMEOUT_S) -> int:
     """Wait for a forked child with a bound; returns its exit code (killed on timeout)."""
     pidfd = os.pidfd_open(pid)
     try:
@@ -50,3 +57,30 @@ def wait_child(pid: int, timeout_s: float = THREAD_TIMEOUT_S) -> int:
         return os.waitstatus_to_exitcode(status)
     finally:
         os.close(pidfd)
+
+
+def footprint() -> tuple[int, frozenset[str]]:
+    """Mappings and open file descriptors of this process, to compare before/after."""
+    maps = len(Path("/proc/self/maps").read_text().splitlines())
+    return maps, frozenset(os.listdir("/proc/self/fd"))
+
+
+@contextmanager
+def refused(error: type[E], *words: str) -> Iterator[pytest.ExceptionInfo[E]]:
+    """Expect ``error`` whose message holds every one of ``words``, leaving no mapping and
+    no file descriptor behind (VmLck and /dev/shm are checked by the ``no_leaks`` fixture)."""
+    before = footprint()
+    with pytest.raises(error) as info:
+        yield info
+    message = str(info.value)
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"
+    assert isinstance(info.value, AsyncpinError)
+    assert footprint() == before, "a mapping or file descriptor was left behind"
+
+
+async def open_manager(nbytes: Any, **kwargs: Any) -> None:
+    """Construct and enter a manager; the bad input may be caught at either step."""
+    async with OffloadManager(nbytes, **kwargs):
+        pass
+    pytest.fail(f"OffloadManager({nbytes!r}, **{kwargs!r}) opened")

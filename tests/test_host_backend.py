@@ -1,4 +1,7 @@
-"""The host backend: real mlock through the manager, its accounting, and its pre-flight."""
+"""The host backend: real mlock through the manager, its accounting, and its pre-flight.
+
+Every async test runs on asyncio and on trio.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ from asyncpin import (
     _sys,
 )
 from asyncpin.region import Backing
+
+pytestmark = pytest.mark.anyio
 
 PAGE = _sys.PAGE_SIZE
 MIB = 1 << 20

@@ -8,7 +8,8 @@ Synchronisation is on events only: ``FakeBackend.stalled`` (a pin call is held),
 ``anyio.wait_all_tasks_blocked()`` (every task is parked) and :class:`ProbeCondition`,
 which reports that a thread has started waiting inside the pause gate. Every test runs
 under ``anyio.fail_after``, and every stall is released in a ``finally`` so that a broken
-assertion fails the test instead of hanging its shielded close.
+assertion fails the test instead of hanging its shielded close. Every test runs on asyncio
+and on trio.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import pytest
+import sniffio
 from structlog.testing import capture_logs
 
 import asyncpin.gate
@@ -36,12 +38,13 @@ from asyncpin import (
     _sys,
 )
 from asyncpin.testing import FakeBackend, is_mapped
-from tests.helpers import releasing, wait_thread_event
+from tests.helpers import TIMEOUT_S, releasing, wait_thread_event
+
+pytestmark = pytest.mark.anyio
 
 CHUNK = 64 << 10
 NCHUNKS = 16
 NBYTES = CHUNK * NCHUNKS
-TIMEOUT_S = 10.0
 
 
 # -- helpers ----------------------------------------------------------------------------
@@ -142,6 +145,13 @@ class Boom(Exception):
 
 
 # -- close order ------------------------------------------------------------------------
+
+
+class TestEventLoops:
+    """Each test runs on the event loop that ``anyio_backend`` names, and on no other."""
+
+    async def test_runs_on_the_loop_it_is_given(self, anyio_backend: str) -> None:
+        assert sniffio.current_async_library() == anyio_backend
 
 
 class TestCloseOrder:
@@ -673,6 +683,13 @@ class TestPinningPaused:
 
 class TestUseAfterClose:
     """After close every use raises ClosedResourceError; a manager is entered at most once."""
+
+    async def test_is_pinned_is_false_after_close(self) -> None:
+        with anyio.fail_after(TIMEOUT_S):
+            async with make(FakeBackend()) as mgr:
+                await mgr.pinned
+                assert mgr.is_pinned()
+        assert not mgr.is_pinned()
 
     async def test_host_view_after_close(self) -> None:
         async with make(FakeBackend()) as mgr:

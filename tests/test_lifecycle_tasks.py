@@ -48,13 +48,12 @@ from asyncpin.engines.host import HostTransferEngine
 from asyncpin.errors import ConfigError, ForkedManagerError, LifecycleError
 from asyncpin.testing import FakeBackend, is_mapped
 from asyncpin.transfers import TransferJob
-from tests.helpers import THREAD_TIMEOUT_S, releasing, wait_child, wait_thread_event
+from tests.helpers import TIMEOUT_S, releasing, wait_child, wait_thread_event
 
 BACKENDS = pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 
 BLOCK = 4096  # one host block per chunk
 HOST_BLOCKS = 8
-TIMEOUT_S = 30.0
 STALL_AT = 1  # chunk 0 pins, chunk 1's pin call is held
 
 
@@ -285,7 +284,7 @@ class TestCloseFromAnyTask:
                 await mgr.pinned
                 thread = threading.Thread(target=close_on_a_new_loop, daemon=True)
                 thread.start()
-                await anyio.to_thread.run_sync(thread.join, THREAD_TIMEOUT_S)
+                await anyio.to_thread.run_sync(thread.join, TIMEOUT_S)
                 assert not thread.is_alive()
                 assert len(refused) == 1 and isinstance(refused[0], LifecycleError)
                 assert "another event loop" in str(refused[0])
@@ -663,7 +662,7 @@ class TestCloseRacesEntryAndCancellation:
 
         def prepare(self: HostTransferEngine) -> None:
             entered.set()
-            assert go_on.wait(THREAD_TIMEOUT_S)
+            assert go_on.wait(TIMEOUT_S)
 
         monkeypatch.setattr(HostTransferEngine, "prepare", prepare)
         run(self._close_while_the_engine_prepares, anyio_backend, entered, go_on)

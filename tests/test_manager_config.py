@@ -1,86 +1,35 @@
-"""Bad input: each mistake is a typed error with a message that says what is wrong, and
-nothing is left mapped, locked, open or in /dev/shm afterwards."""
+"""Configurations a manager refuses: sizes, pipeline knobs, backends, backing and huge
+page policies. Each mistake is a typed error whose message says what is wrong, raised
+before anything is mapped, and nothing is left mapped, locked, open or in /dev/shm
+(``refused`` and the ``balanced_mappings`` fixture check it). Async tests run on asyncio
+and on trio.
+"""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
 
 from asyncpin import (
-    AsyncpinError,
     BackendUnavailableError,
     ConfigError,
     HostBackend,
     OffloadManager,
     PreflightError,
-    RegionNotFoundError,
     _sys,
 )
 from asyncpin.region import HostRegion, hugetlb_free_bytes
 from asyncpin.shm import HEADER_BYTES, SHM_DIR
 from asyncpin.testing import FakeBackend
+from tests.helpers import open_manager, refused
+
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("balanced_mappings")]
 
 PAGE = _sys.PAGE_SIZE
 MIB = 1 << 20
 HUGE = 1 << 50  # 1 PiB: more than any machine that runs these tests has
-
-E = TypeVar("E", bound=BaseException)
-
-
-def footprint() -> tuple[int, frozenset[str]]:
-    """Mappings and open file descriptors of this process, to compare before/after."""
-    maps = len(Path("/proc/self/maps").read_text().splitlines())
-    return maps, frozenset(os.listdir("/proc/self/fd"))
-
-
-@pytest.fixture(autouse=True)
-def balanced_mappings(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, int, int]]]:
-    """Spy on the region's mmap/munmap: whatever a failed call mapped, it unmapped."""
-    calls: list[tuple[str, int, int]] = []
-    real_mmap, real_munmap = _sys.libc_mmap, _sys.libc_munmap
-
-    def spy_mmap(nbytes: int, prot: int, flags: int, fd: int = -1, addr: int = 0) -> int:
-        address = real_mmap(nbytes, prot, flags, fd, addr)
-        calls.append(("mmap", address, nbytes))
-        return address
-
-    def spy_munmap(address: int, nbytes: int) -> None:
-        real_munmap(address, nbytes)
-        calls.append(("munmap", address, nbytes))
-
-    monkeypatch.setattr(_sys, "libc_mmap", spy_mmap)
-    monkeypatch.setattr(_sys, "libc_munmap", spy_munmap)
-    yield calls
-    mapped = sum(n for op, _, n in calls if op == "mmap")
-    unmapped = sum(n for op, _, n in calls if op == "munmap")
-    assert mapped == unmapped, f"mapped {mapped} bytes but unmapped {unmapped}: {calls}"
-
-
-@contextmanager
-def refused(error: type[E], *words: str) -> Iterator[pytest.ExceptionInfo[E]]:
-    """Expect ``error`` whose message holds every one of ``words``, leaving no mapping and
-    no file descriptor behind (VmLck and /dev/shm are checked by the autouse fixture)."""
-    before = footprint()
-    with pytest.raises(error) as info:
-        yield info
-    message = str(info.value)
-    for word in words:
-        assert word in message, f"{word!r} not in {message!r}"
-    assert isinstance(info.value, AsyncpinError)
-    assert footprint() == before, "a mapping or file descriptor was left behind"
-
-
-async def open_manager(nbytes: Any, **kwargs: Any) -> None:
-    """Construct and enter a manager; the bad input may be caught at either step."""
-    async with OffloadManager(nbytes, **kwargs):
-        pass
-    pytest.fail(f"OffloadManager({nbytes!r}, **{kwargs!r}) opened")
 
 
 class TestSize:
@@ -219,96 +168,8 @@ class TestBackingAndHugePages:
         assert info.value.needed >= nbytes
 
 
-class TestSharedNames:
-    """Shared regions need a safe name; attaching to a missing one is RegionNotFoundError."""
-
-    async def test_shared_without_name(self) -> None:
-        with refused(ConfigError, "backing='shared'", "name"):
-            await open_manager(MIB, backend="host", backing="shared")
-
-    async def test_name_without_shared_backing(self, shm_name: str) -> None:
-        with refused(ConfigError, "name", "backing='shared'"):
-            await open_manager(MIB, backend="host", name=shm_name)
-        assert not (SHM_DIR / shm_name).exists()
-
-    @pytest.mark.parametrize(
-        "name", ["../x", "", ".", "..", "a/b", "/abs", "sp ace", "nul\x00", "é", "x" * 201]
-    )
-    async def test_bad_name_on_create(self, name: str) -> None:
-        escaped = (SHM_DIR / "../x").resolve()
-        assert not escaped.exists()
-        with refused(ConfigError, "shared region name", repr(name)) as info:
-            await open_manager(MIB, backend="host", backing="shared", name=name)
-        assert "letters, digits" in str(info.value)
-        assert not escaped.exists()
-
-    @pytest.mark.parametrize("name", ["../x", "", "..", "a/b"])
-    async def test_bad_name_on_attach(self, name: str) -> None:
-        with refused(ConfigError, "shared region name"):
-            async with OffloadManager.attached(name, backend="host"):
-                pass
-        with refused(ConfigError, "shared region name"):
-            HostRegion.attach(name)
-
-    async def test_attach_to_missing_name(self, shm_name: str) -> None:
-        with refused(RegionNotFoundError, "no shared region named", shm_name) as info:
-            async with OffloadManager.attached(shm_name, backend="host"):
-                pass
-        assert isinstance(info.value, FileNotFoundError)
-        assert info.value.name == shm_name
-        assert info.value.path == str(SHM_DIR / shm_name)
-        with refused(RegionNotFoundError, shm_name):
-            HostRegion.attach(shm_name)
-
-
-class TestAttachToForeignFile:
-    """Attaching refuses a /dev/shm file that asyncpin did not make, and closes what it opened."""
-
-    @pytest.mark.parametrize("size", [0, 100, PAGE + 1])
-    def test_size_not_a_region(self, shm_name: str, size: int) -> None:
-        path = SHM_DIR / shm_name
-        path.write_bytes(b"\x01" * size)
-        try:
-            with refused(ConfigError, f"size {size}", "not a region made by asyncpin"):
-                HostRegion.attach(shm_name)
-            assert path.read_bytes() == b"\x01" * size
-        finally:
-            path.unlink()
-
-    def test_not_a_regular_file(self, shm_name: str) -> None:
-        path = SHM_DIR / shm_name
-        os.mkfifo(path, 0o600)
-        try:
-            with refused(ConfigError, "not a regular file", "refusing to attach"):
-                HostRegion.attach(shm_name)
-        finally:
-            path.unlink()
-
-    def test_directory(self, shm_name: str) -> None:
-        path = SHM_DIR / shm_name
-        path.mkdir()
-        try:
-            with refused(ConfigError, "is a directory"):
-                HostRegion.attach(shm_name)
-        finally:
-            path.rmdir()
-
-    def test_owned_by_another_user(self, shm_name: str) -> None:
-        if os.geteuid() != 0:
-            pytest.skip("needs root to give the file away")
-        path = SHM_DIR / shm_name
-        path.write_bytes(b"\x01" * PAGE)
-        try:
-            os.chown(path, 65534, 65534)
-            with refused(ConfigError, "owned by uid", "refusing to attach"):
-                HostRegion.attach(shm_name)
-            assert path.exists()
-        finally:
-            path.unlink()
-
-
-class TestReviewedEdges:
-    """Pre-flight and probes at the edges: hugetlb chunks, attach pre-flight, probe after close."""
+class TestPreflightEdges:
+    """Pre-flight at the edges: hugetlb chunks, and attaching runs the backend's pre-flight."""
 
     async def test_hugetlb_chunks_must_hold_whole_huge_pages(self) -> None:
         with refused(ConfigError, "multiple of 2 MiB", "hugetlb"):
@@ -323,9 +184,3 @@ class TestReviewedEdges:
             with refused(PreflightError, "memlock", str(MIB)):
                 async with OffloadManager.attached(shm_name, backend=Refusing()):
                     pass
-
-    async def test_is_pinned_is_false_after_close(self) -> None:
-        async with OffloadManager(MIB, backend=FakeBackend(), chunk_bytes=256 << 10) as mgr:
-            await mgr.pinned
-            assert mgr.is_pinned()
-        assert not mgr.is_pinned()

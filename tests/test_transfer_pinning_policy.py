@@ -1,0 +1,201 @@
+"""Transfers while the buffer is still being pinned: blocks in pinned chunks take the fast
+path at once; a block in an unpinned chunk waits for its chunk's pin ("wait", the
+default) or goes through pageable memory ("pageable"), counted in stats either way; a
+failed pin fails exactly the transfers that need its chunk.
+
+Synchronisation is on events only: ``FakeBackend.stalled`` (a pin call is held), the
+:class:`~tests.kit.CopyGate` (a copy is held in its worker thread) and
+``anyio.wait_all_tasks_blocked()``. Every wait is bounded by ``anyio.fail_after`` and
+every hold is released in a ``finally``, so a failed check fails the test instead of
+hanging a shielded close. Every test runs on asyncio and on trio.
+"""
+
+from __future__ import annotations
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+import pytest
+import torch
+
+from asyncpin import (
+    HostBackend,
+    PinError,
+    TransferError,
+    _sys,
+)
+from asyncpin.testing import FakeBackend
+from tests.helpers import TIMEOUT_S, releasing, wait_thread_event
+from tests.kit import (
+    PAGE,
+    SMALL_BLOCKS,
+    STALL_AT,
+    Direction,
+    KVModel,
+    chunk_ids,
+    randomize_host,
+    small_kv,
+    small_manager,
+    submit,
+    transfer_counters,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+class TestTransfersDuringPinning:
+    """Pinned chunks take the fast path at once; an unpinned chunk waits or goes pageable."""
+
+    @pytest.mark.parametrize("direction", ["store", "load"])
+    async def test_pinned_chunks_take_the_fast_path(
+        self, direction: Direction, gen: torch.Generator
+    ) -> None:
+        layout = small_kv(gen)
+        backend = FakeBackend(inner=HostBackend(), stall_pin_at=STALL_AT)
+        baseline = _sys.vm_locked_bytes()
+        with anyio.fail_after(TIMEOUT_S):
+            async with small_manager(layout, backend) as mgr:
+                with releasing(backend):
+                    await wait_thread_event(backend.stalled)
+                    assert _sys.vm_locked_bytes() == baseline + STALL_AT * PAGE
+                    randomize_host(mgr, gen)
+                    model = KVModel(mgr, layout)
+                    # Host blocks in every pinned chunk (0 .. STALL_AT-1), none beyond.
+                    cpu = [c for i in range(STALL_AT) for c in chunk_ids(layout, i, 3)]
+                    gpu = torch.randperm(SMALL_BLOCKS, generator=gen)[: len(cpu)].tolist()
+                    transfer = submit(mgr, direction, gpu, cpu)
+                    await transfer
+                    assert transfer.path == "pinned"
+                    assert not mgr.is_pinned()
+                    assert mgr.stats().chunks_pinned == STALL_AT
+                    assert transfer_counters(mgr.stats())[4:6] == (0, 0)  # waited, pageable
+                    model.apply(direction, gpu, cpu)
+                    model.check()
+                await mgr.pinned
+        assert _sys.vm_locked_bytes() == baseline
+
+    @pytest.mark.parametrize("chunk", [STALL_AT, STALL_AT + 2])
+    @pytest.mark.parametrize("direction", ["store", "load"])
+    async def test_unpinned_chunk_waits_for_its_pin(
+        self, direction: Direction, chunk: int, gen: torch.Generator
+    ) -> None:
+        layout = small_kv(gen)
+        backend = FakeBackend(inner=HostBackend(), stall_pin_at=STALL_AT)
+        with anyio.fail_after(TIMEOUT_S):
+            async with small_manager(layout, backend) as mgr:
+                with releasing(backend):
+                    await wait_thread_event(backend.stalled)
+                    randomize_host(mgr, gen)
+                    model = KVModel(mgr, layout)
+                    # One host block in a pinned chunk, one in the chunk waited for.
+                    slow_cpu = [chunk_ids(layout, 0)[-1], chunk_ids(layout, chunk)[1]]
+                    slow_gpu = [5, 9]
+                    fast_cpu, fast_gpu = chunk_ids(layout, 1, 2), [20, 21]
+                    slow = submit(mgr, direction, slow_gpu, slow_cpu)
+                    fast = submit(mgr, direction, fast_gpu, fast_cpu)
+                    assert mgr.stats().transfers_waited_for_pinning == 1
+                    await fast
+                    await anyio.wait_all_tasks_blocked()
+                    assert not slow.done()
+                    assert "in flight" in repr(slow)
+                    assert mgr.stats().transfers_in_flight == 1
+                    backend.release()
+                    await slow
+                assert slow.path == "pinned"
+                stats = mgr.stats()
+                assert stats.transfers_waited_for_pinning == 1
+                assert stats.transfers_pageable == 0
+                assert stats.transfers_failed == 0
+                model.apply(direction, fast_gpu, fast_cpu)
+                model.apply(direction, slow_gpu, slow_cpu)
+                model.check()
+
+    @pytest.mark.parametrize("direction", ["store", "load"])
+    async def test_pageable_policy_does_not_wait(
+        self, direction: Direction, gen: torch.Generator
+    ) -> None:
+        layout = small_kv(gen)
+        backend = FakeBackend(stall_pin_at=STALL_AT)
+        with anyio.fail_after(TIMEOUT_S):
+            async with small_manager(layout, backend, unpinned_policy="pageable") as mgr:
+                with releasing(backend):
+                    await wait_thread_event(backend.stalled)
+                    randomize_host(mgr, gen)
+                    model = KVModel(mgr, layout)
+                    cpu = chunk_ids(layout, STALL_AT + 2) + chunk_ids(layout, 0, 2)
+                    gpu = torch.randperm(SMALL_BLOCKS, generator=gen)[: len(cpu)].tolist()
+                    transfer = submit(mgr, direction, gpu, cpu)
+                    await transfer
+                    assert transfer.path == "pageable"
+                    assert "pageable" in repr(transfer)
+                    assert not mgr.is_pinned()
+                    stats = mgr.stats()
+                    assert stats.transfers_pageable == 1
+                    assert stats.transfers_waited_for_pinning == 0
+                    model.apply(direction, gpu, cpu)
+                    model.check()
+                    # Blocks wholly in pinned chunks still take the pinned path.
+                    fast = submit(mgr, direction, [1], chunk_ids(layout, 1, 1))
+                    await fast
+                    assert fast.path == "pinned"
+                    assert mgr.stats().transfers_pageable == 1
+
+    async def test_empty_transfer_does_not_wait(self, gen: torch.Generator) -> None:
+        layout = small_kv(gen)
+        backend = FakeBackend(stall_pin_at=0)
+        with anyio.fail_after(TIMEOUT_S):
+            async with small_manager(layout, backend) as mgr:
+                with releasing(backend):
+                    await wait_thread_event(backend.stalled)
+                    await mgr.store([], [])
+                    await mgr.load([], [])
+                    stats = mgr.stats()
+                    assert stats.transfers_waited_for_pinning == 0
+                    assert stats.chunks_pinned == 0
+
+
+class TestFailedPin:
+    """A chunk whose pin failed fails every transfer that needs it, and only those."""
+
+    async def test_failed_pin_fails_the_transfers_that_need_its_chunk(
+        self, gen: torch.Generator
+    ) -> None:
+        layout = small_kv(gen)
+        backend = FakeBackend(stall_pin_at=STALL_AT, fail_pin_at=STALL_AT)
+        with anyio.fail_after(TIMEOUT_S):
+            async with small_manager(layout, backend) as mgr:
+                with releasing(backend):
+                    await wait_thread_event(backend.stalled)
+                    doomed = mgr.store(
+                        [1, 2], chunk_ids(layout, 0, 1) + chunk_ids(layout, STALL_AT, 1)
+                    )
+                    await mgr.store([3], chunk_ids(layout, 1, 1))
+                    await anyio.wait_all_tasks_blocked()
+                    assert not doomed.done()
+                    backend.release()
+                    with pytest.raises(TransferError) as info:
+                        await doomed
+                cause = info.value.__cause__
+                assert isinstance(cause, PinError)
+                assert cause.chunk_index == STALL_AT
+                assert cause.code == FakeBackend.FAKE_CODE
+                with pytest.raises(PinError) as pinned:
+                    await mgr.pinned
+                assert pinned.value is cause
+                # Later transfers into a chunk that will never be pinned fail the same way,
+                # loads included; the pinned chunks keep working.
+                for late in (
+                    mgr.store([4], chunk_ids(layout, STALL_AT + 2, 1)),
+                    mgr.load(chunk_ids(layout, STALL_AT, 1), [4]),
+                ):
+                    with pytest.raises(TransferError) as info:
+                        await late
+                    assert info.value.__cause__ is cause
+                model = KVModel(mgr, layout)
+                await mgr.load(chunk_ids(layout, 2, 2), [10, 11])
+                model.load(chunk_ids(layout, 2, 2), [10, 11])
+                model.check()
+                stats = mgr.stats()
+                assert stats.transfers_failed == 3
+                assert stats.transfers_waited_for_pinning == 3
+                assert stats.transfers_in_flight == 0
