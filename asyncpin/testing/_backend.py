@@ -83,8 +83,7 @@ class FakeBackend:
         self.stalled = threading.Event()
         self._released = threading.Event()
         self._lock = threading.Lock()
-        self._pins = 0
-        self._unpins = 0
+        self._counts = {"pin": 0, "unpin": 0}
 
     def release(self) -> None:
         """Let a stalled pin call return."""
@@ -95,42 +94,39 @@ class FakeBackend:
             self.inner.preflight(nbytes)
 
     def pin(self, address: int, nbytes: int) -> None:
-        with self._lock:
-            n = self._pins
-            self._pins += 1
+        n = self._count("pin")
         if n == self.stall_pin_at:
             self.stalled.set()
             self._released.wait()
         if self.before_pin is not None:
             self.before_pin(n, address, nbytes)
-        ok = n != self.fail_pin_at
-        if ok and self.inner is not None:
-            try:
-                self.inner.pin(address, nbytes)
-            except BaseException:
-                self._record("pin", address, nbytes, False)
-                raise
-        self._record("pin", address, nbytes, ok)
-        if not ok:
-            raise BackendCallError(
-                "fake_pin", self.FAKE_CODE, "EFAKE", f"injected failure at pin {n}"
-            )
+        self._call("pin", n, n == self.fail_pin_at, address, nbytes)
 
     def unpin(self, address: int, nbytes: int) -> None:
+        n = self._count("unpin")
+        self._call("unpin", n, n == self.fail_unpin_at, address, nbytes)
+
+    def _count(self, op: str) -> int:
+        """The number (0-based) of this ``op`` call."""
         with self._lock:
-            n = self._unpins
-            self._unpins += 1
-        ok = n != self.fail_unpin_at
-        if ok and self.inner is not None:
+            n = self._counts[op]
+            self._counts[op] += 1
+        return n
+
+    def _call(self, op: str, n: int, fail: bool, address: int, nbytes: int) -> None:
+        """Make the n-th ``op`` call: through ``inner`` (if any) unless it is to ``fail``,
+        record it, then raise the injected failure if it is."""
+        if not fail and self.inner is not None:
+            real = self.inner.pin if op == "pin" else self.inner.unpin
             try:
-                self.inner.unpin(address, nbytes)
+                real(address, nbytes)
             except BaseException:
-                self._record("unpin", address, nbytes, False)
+                self._record(op, address, nbytes, False)
                 raise
-        self._record("unpin", address, nbytes, ok)
-        if not ok:
+        self._record(op, address, nbytes, not fail)
+        if fail:
             raise BackendCallError(
-                "fake_unpin", self.FAKE_CODE, "EFAKE", f"injected failure at unpin {n}"
+                f"fake_{op}", self.FAKE_CODE, "EFAKE", f"injected failure at {op} {n}"
             )
 
     def _record(self, op: str, address: int, nbytes: int, ok: bool) -> None:

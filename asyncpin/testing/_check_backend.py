@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import anyio
 import anyio.to_thread
@@ -86,26 +86,12 @@ async def check_pin_backend(
     leaked: list[Chunk] = []
     limiter = anyio.CapacityLimiter(pin_threads)
     try:
-        failures: list[tuple[Chunk, BaseException]] = []
-
         async def pin(chunk: Chunk) -> None:
             address = region.address + chunk.offset
-            try:
-                await anyio.to_thread.run_sync(backend.pin, address, chunk.nbytes, limiter=limiter)
-            except Exception as exc:
-                failures.append((chunk, exc))
-            else:
-                pinned.append(chunk)
+            await anyio.to_thread.run_sync(backend.pin, address, chunk.nbytes, limiter=limiter)
+            pinned.append(chunk)
 
-        async with anyio.create_task_group() as tg:
-            for chunk in chunks:
-                tg.start_soon(pin, chunk)
-        if failures:
-            chunk, exc = failures[0]
-            raise AssertionError(
-                f"{name}: pin of a valid span (offset {chunk.offset}, {chunk.nbytes} bytes, "
-                f"at most max_pin_bytes) raised {exc!r}"
-            ) from exc
+        await _each(name, "pin of a valid span of at most max_pin_bytes", pin, chunks)
         total = sum(chunk.nbytes for chunk in chunks)
         if counting:
             grown = _sys.vm_locked_bytes() - baseline
@@ -128,20 +114,13 @@ async def check_pin_backend(
                 await anyio.to_thread.run_sync(
                     backend.unpin, region.address + chunk.offset, chunk.nbytes, limiter=limiter
                 )
-            except Exception as exc:
-                leaked.append(chunk)
-                failures.append((chunk, exc))
+            except Exception:
+                pinned.remove(chunk)
+                leaked.append(chunk)  # a span whose unpin raised stays mapped
+                raise
             pinned.remove(chunk)
 
-        async with anyio.create_task_group() as tg:
-            for chunk in list(pinned):
-                tg.start_soon(unpin, chunk)
-        if failures:
-            chunk, exc = failures[0]
-            raise AssertionError(
-                f"{name}: unpin of a pinned span (offset {chunk.offset}, {chunk.nbytes} "
-                f"bytes) raised {exc!r}"
-            ) from exc
+        await _each(name, "unpin of a pinned span", unpin, list(pinned))
         if counting:
             left = _sys.vm_locked_bytes() - baseline
             if left:
@@ -165,6 +144,29 @@ async def check_pin_backend(
                 except Exception:
                     leaked.append(chunk)
             region.release(keep=leaked)
+
+
+async def _each(
+    name: str, what: str, call: Callable[[Chunk], Awaitable[None]], chunks: list[Chunk]
+) -> None:
+    """Run ``call`` on every chunk at once; raise AssertionError for the first chunk on
+    which it raised (``what``: the call)."""
+    failures: list[tuple[Chunk, Exception]] = []
+
+    async def one(chunk: Chunk) -> None:
+        try:
+            await call(chunk)
+        except Exception as exc:
+            failures.append((chunk, exc))
+
+    async with anyio.create_task_group() as tg:
+        for chunk in chunks:
+            tg.start_soon(one, chunk)
+    if failures:
+        chunk, exc = failures[0]
+        raise AssertionError(
+            f"{name}: {what} (offset {chunk.offset}, {chunk.nbytes} bytes) raised {exc!r}"
+        ) from exc
 
 
 def _preflight(backend: PinBackend, name: str, nbytes: int) -> None:
