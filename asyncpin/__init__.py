@@ -18,7 +18,8 @@ from asyncpin.errors import (
 )
 from asyncpin.gate import capture_gate, install_capture_gate
 from asyncpin.kv import KVLayout
-from asyncpin.manager import ManagerState, ManagerStats, OffloadManager
+from asyncpin.manager import ManagerState, OffloadManager
+from asyncpin.stats import ManagerStats
 from asyncpin.transfers import Transfer
 
 __all__ = [

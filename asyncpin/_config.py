@@ -29,9 +29,9 @@ __all__ = [
     "default_prefault_threads",
 ]
 
-# Measured on the H200 (bench/RESULTS.md): 16 MiB chunks keep each cudaHostRegister short
-# enough that a concurrent 24 ms GPU step stretches by ~15% at most, at full pinning speed;
-# 256 MiB chunks stretched it 2.6x.
+# Measured on the H200 (bench/RESULTS.md#pinning-h200): 16 MiB chunks keep each
+# cudaHostRegister short enough that a concurrent 24 ms GPU step stretches by ~15% at most,
+# at full pinning speed; 256 MiB chunks stretched it 2.6x.
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 # Bound on prefault_threads and pin_threads: each is an OS thread, and page faulting
@@ -43,7 +43,8 @@ UnpinnedPolicy = Literal["wait", "pageable"]
 
 def default_prefault_threads() -> int:
     """Up to 8 fault threads, always leaving one core to the event loop: on a 2-core VM,
-    2 threads faulting cold huge pages stalled the loop for ~0.5 s (bench/RESULTS.md)."""
+    2 threads faulting cold huge pages stalled the loop for ~0.5 s
+    (bench/RESULTS.md#pinning-host)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(8, (cores or 1) - 1))
 

@@ -117,6 +117,38 @@ class Opened:
         )
         return self.engine
 
+    def stats_fields(self, *, forked: bool) -> dict[str, Any]:
+        """The part of ``ManagerStats`` these resources know (in a forked child, none of
+        the pipeline's: its chunks are pinned in the parent, not there)."""
+        fields: dict[str, Any] = {
+            "chunks_leaked": self.leaked,
+            "mapped_by_views_bytes": self.region.mapped_by_views_bytes(),
+        }
+        scheduler = self.scheduler
+        if not forked:
+            fields.update(
+                chunks_total=len(scheduler.chunks),
+                chunks_pinned=scheduler.chunks_pinned,
+                pinned_bytes=scheduler.pinned_bytes,
+                seconds_to_pinned=scheduler.seconds_to_pinned,
+                slowest_pin_seconds=scheduler.slowest_pin_seconds,
+                unpin_seconds=scheduler.unpin_seconds,
+            )
+        router = self.router
+        if router is not None:
+            counts = router.counts
+            fields.update(
+                transfers_stored=counts.stored,
+                transfers_loaded=counts.loaded,
+                bytes_stored=counts.bytes_stored,
+                bytes_loaded=counts.bytes_loaded,
+                transfers_waited_for_pinning=counts.waited,
+                transfers_pageable=counts.pageable,
+                transfers_failed=counts.failed,
+                transfers_in_flight=len(router.in_flight),
+            )
+        return fields
+
     def drop_engine(self) -> None:
         """Close the engine at once (an entry that failed: no transfer ever ran)."""
         if self.engine is not None:

@@ -23,8 +23,9 @@ from anyio import CancelScope
 from asyncpin import _sys
 from asyncpin.backends import PinBackend, resolve_backend
 from asyncpin.cli import EXIT_ERROR, PROG, default_nbytes, format_bytes, plain_table
-from asyncpin.manager import ManagerStats, OffloadManager
+from asyncpin.manager import OffloadManager
 from asyncpin.signals import SignalGuard
+from asyncpin.stats import ManagerStats
 
 __all__ = ["run"]
 

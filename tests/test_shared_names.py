@@ -16,7 +16,8 @@ from asyncpin import (
     RegionNotFoundError,
     _sys,
 )
-from asyncpin.region import SHM_DIR, HostRegion
+from asyncpin.region import HostRegion
+from asyncpin.shm import SHM_DIR
 from tests.helpers import open_manager, refused
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("balanced_mappings")]

@@ -4,7 +4,7 @@ queued off the event loop.
 Completion: each direction has one waiter thread that blocks on a blocking-sync CUDA
 event (the thread sleeps; no core spins) and then wakes the event loop. Buffers a copy
 uses are kept alive until that moment. A thread needs the GIL to wake the loop, and a
-loop kept busy in Python can starve it for seconds (bench/RESULTS.md). So, while
+loop kept busy in Python can starve it for seconds (bench/RESULTS.md#starved-threads). So, while
 transfers are in flight the loop also looks every 20 ms (``Completion.sweep``: a timer on
 asyncio, a task of the manager on trio, which has no timers): a transfer whose event has
 been complete for a whole sweep without being reported is finished there. The loop then

@@ -4,7 +4,7 @@ buffers.
 Each direction (store, load) has a lane of its own streams, so both directions run at
 once: a kernel stream, where copy kernels run, and two DMA streams that share a large
 job's DMAs (two streams keep the bus busy between DMAs: on the H200, 2 MiB DMAs both ways
-reach 95 GB/s on two streams per direction and 89 on one; see bench/RESULTS.md).
+reach 95 GB/s on two streams per direction and 89 on one; bench/RESULTS.md#both-ways).
 Pageable jobs have a stream of their own.
 """
 

@@ -39,8 +39,9 @@ __all__ = [
 
 # Bytes the copy kernel moves per load and store (int64 words): see kernel_misalignment.
 KERNEL_WORD = 8
-# From here on one DMA per segment is as fast as packing (H200: 2 MiB batch 51.5 GB/s,
-# pack 49.9; at 256 KiB batch 45.4, pack 49.4): bench/RESULTS.md.
+# From here on one DMA per segment is as fast as packing (H200, run 42: 2 MiB stores batch
+# 53.4 GB/s, pack 53.8; at 256 KiB batch 47.5, pack 53.6):
+# bench/RESULTS.md#transfers-by-block-size.
 BATCH_MIN_BLOCK_BYTES = 1 << 20
 # Up to this many segments (one block of a 32-layer K/V layout) a transfer is submitted
 # with plain-Python addresses, one batched DMA call and one stream: every torch op on a
