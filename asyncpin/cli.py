@@ -181,21 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
             "report time to enter vs time to pinned, GiB/s, huge pages and close time."
         ),
     )
-    demo.add_argument(
-        "--size",
-        type=_size_arg,
-        default=None,
-        help="buffer size: bytes or e.g. 512MiB, 2GiB (default: min(4 GiB, MemAvailable/4), "
+    _add_common(
+        demo,
+        "buffer size: bytes or e.g. 512MiB, 2GiB (default: min(4 GiB, MemAvailable/4), "
         "and within RLIMIT_MEMLOCK for the host backend without CAP_IPC_LOCK)",
     )
-    demo.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
     demo.add_argument(
         "--chunk-mib",
         type=_positive_int,
         default=DEFAULT_CHUNK_BYTES >> 20,
         help="chunk size in MiB (default: %(default)s)",
     )
-    demo.add_argument("--backing", choices=("anonymous", "shared"), default="anonymous")
     demo.add_argument(
         "--name", default=None, help="name in /dev/shm for --backing shared (default: a fresh one)"
     )
@@ -222,17 +218,20 @@ def build_parser() -> argparse.ArgumentParser:
             "check fails."
         ),
     )
-    doctor.add_argument(
-        "--size",
-        type=_size_arg,
-        default=None,
-        help="buffer size to check for (default: the demo's, min(4 GiB, MemAvailable/4), "
+    _add_common(
+        doctor,
+        "buffer size to check for (default: the demo's, min(4 GiB, MemAvailable/4), "
         "capped by what is left of RLIMIT_MEMLOCK when mlock pins it without CAP_IPC_LOCK)",
     )
-    doctor.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
-    doctor.add_argument("--backing", choices=("anonymous", "shared"), default="anonymous")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     return parser
+
+
+def _add_common(command: argparse.ArgumentParser, size_help: str) -> None:
+    """The options the demo and the doctor share: --size, --backend, --backing."""
+    command.add_argument("--size", type=_size_arg, default=None, help=size_help)
+    command.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
+    command.add_argument("--backing", choices=("anonymous", "shared"), default="anonymous")
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
