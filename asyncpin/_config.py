@@ -68,15 +68,15 @@ def _check_threads(knob: str, value: Any) -> int:
 
 
 def _check_chunk_bytes(chunk_bytes: Any, hugepages: HugePages) -> int:
+    if hugepages == "hugetlb" and _is_int(chunk_bytes) and chunk_bytes % (2 << 20):
+        raise ConfigError(
+            f"chunk_bytes={chunk_bytes} must be a multiple of 2 MiB with hugepages='hugetlb' "
+            "(huge pages cannot be split between chunks)"
+        )
     if not _is_int(chunk_bytes) or chunk_bytes <= 0 or chunk_bytes % _sys.PAGE_SIZE:
         raise ConfigError(
             f"chunk_bytes={chunk_bytes!r} must be a positive multiple of the page size "
             f"({_sys.PAGE_SIZE})"
-        )
-    if hugepages == "hugetlb" and chunk_bytes % (2 << 20):
-        raise ConfigError(
-            f"chunk_bytes={chunk_bytes} must be a multiple of 2 MiB with hugepages='hugetlb' "
-            "(huge pages cannot be split between chunks)"
         )
     return int(chunk_bytes)
 
@@ -119,9 +119,15 @@ class ManagerConfig:
         attach: bool,
     ) -> ManagerConfig:
         """Raises ConfigError, naming the argument, for the first one out of range."""
+        # In the order the arguments are documented: the first one out of range is named.
         size = 0 if attach else validate_nbytes(nbytes)
         validate_backing(backing)
         validate_hugepages(hugepages)
+        chunk = _check_chunk_bytes(chunk_bytes, hugepages)
+        if prefault_threads is None:
+            prefault_threads = default_prefault_threads()
+        prefault = _check_threads("prefault_threads", prefault_threads)
+        pinners = _check_threads("pin_threads", pin_threads)
         if (
             not isinstance(pin_interval_s, int | float)
             or isinstance(pin_interval_s, bool)
@@ -151,12 +157,9 @@ class ManagerConfig:
             nbytes=size,
             backing=backing,
             name=name,
-            chunk_bytes=_check_chunk_bytes(chunk_bytes, hugepages),
-            prefault_threads=_check_threads(
-                "prefault_threads",
-                default_prefault_threads() if prefault_threads is None else prefault_threads,
-            ),
-            pin_threads=_check_threads("pin_threads", pin_threads),
+            chunk_bytes=chunk,
+            prefault_threads=prefault,
+            pin_threads=pinners,
             pin_interval_s=float(pin_interval_s),
             hugepages=hugepages,
             kv_layout=kv_layout,

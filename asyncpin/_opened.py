@@ -78,6 +78,7 @@ class Opened:
                 pinned=pinned,
                 log=log,
                 started_at=started_at,
+                chunk_bytes=chunk_bytes,
             )
             opened = cls(region, scheduler)
             tasks.bind()
@@ -85,9 +86,10 @@ class Opened:
                 engine = opened._open_engine(config, layout, chunk_bytes, tasks, observers, log)
                 await anyio.to_thread.run_sync(engine.prepare)
         except BaseException:  # a cancellation included
-            if opened is not None:
-                opened.drop_engine()
-            region.release()
+            if opened is None:
+                region.release()  # nothing else was made
+            else:
+                await opened.abandon()
             raise
         return opened
 
@@ -120,17 +122,18 @@ class Opened:
     def stats_fields(self, *, forked: bool) -> dict[str, Any]:
         """The part of ``ManagerStats`` these resources know (in a forked child, none of
         the pipeline's: its chunks are pinned in the parent, not there)."""
-        fields: dict[str, Any] = {
-            "chunks_leaked": self.leaked,
-            "mapped_by_views_bytes": self.region.mapped_by_views_bytes(),
-        }
         scheduler = self.scheduler
+        fields = no_stats_fields()
+        fields.update(
+            chunks_leaked=self.leaked,
+            seconds_to_pinned=scheduler.seconds_to_pinned,
+            mapped_by_views_bytes=self.region.mapped_by_views_bytes(),
+        )
         if not forked:
             fields.update(
                 chunks_total=len(scheduler.chunks),
                 chunks_pinned=scheduler.chunks_pinned,
                 pinned_bytes=scheduler.pinned_bytes,
-                seconds_to_pinned=scheduler.seconds_to_pinned,
                 slowest_pin_seconds=scheduler.slowest_pin_seconds,
                 unpin_seconds=scheduler.unpin_seconds,
             )
@@ -149,12 +152,21 @@ class Opened:
             )
         return fields
 
-    def drop_engine(self) -> None:
-        """Close the engine at once (an entry that failed: no transfer ever ran)."""
-        if self.engine is not None:
-            self.engine.close()
-        self.engine = None
-        self.host_blocks = None  # the manager's own view: it must not hold the range
+    async def abandon(self) -> None:
+        """Release what an entry that failed made (no transfer ever ran, nothing was
+        pinned): the engine, then the mapping, in a worker thread as at close (the engine
+        joins its threads; an munmap of many GiB takes tens of ms), shielded."""
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._abandon, limiter=anyio.CapacityLimiter(1))
+
+    def _abandon(self) -> None:
+        try:
+            if self.engine is not None:
+                self.engine.close()
+        finally:
+            self.engine = None
+            self.host_blocks = None  # the manager's own view: it must not hold the range
+            self.region.release()
 
     async def close_in_order(self, tasks: OwnedTasks, log: Any) -> None:
         """Stop pinning → wait for the pipeline's calls and the transfers' device work →
@@ -201,6 +213,19 @@ class Opened:
                 nbytes=region.nbytes,
                 action="unpinned; the range stays mapped until the last view of it is gone",
             )
+
+
+def no_stats_fields() -> dict[str, Any]:
+    """The part of ``ManagerStats`` an open manager's resources report, before it opens."""
+    return {
+        "chunks_total": 0,
+        "chunks_pinned": 0,
+        "pinned_bytes": 0,
+        "chunks_leaked": 0,
+        "seconds_to_pinned": None,
+        "slowest_pin_seconds": 0.0,
+        "unpin_seconds": None,
+    }
 
 
 def _map_region(config: ManagerConfig, backend: PinBackend, log: Any) -> HostRegion:

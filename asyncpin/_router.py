@@ -20,7 +20,15 @@ from asyncpin.chunks import ChunkTable
 from asyncpin.errors import InvalidTransferError, TransferError
 from asyncpin.kv import KVLayout
 from asyncpin.region import HostRegion
-from asyncpin.transfers import Direction, Method, Transfer, TransferJob, block_ids, interrupted
+from asyncpin.transfers import (
+    Direction,
+    Method,
+    Transfer,
+    TransferInterrupted,
+    TransferJob,
+    block_ids,
+    interrupted,
+)
 
 __all__ = ["TransferCounts", "TransferRouter"]
 
@@ -77,9 +85,15 @@ class TransferRouter:
         InvalidTransferError with nothing enqueued."""
         job = self._validated(direction, gpu, cpu, method)
         transfer = job.transfer
-        self._track(transfer)
         size = self.layout.host_block_bytes
         needed = self._table.unpinned((c * size, size) for c in job.cpu_ids)
+        if needed and self._policy == "wait":
+            # A store must not copy blocks before the compute stream has produced them,
+            # and a load must not overwrite blocks the compute stream is still reading:
+            # the copy, queued later, waits for what the caller's stream has queued now.
+            # (Before tracking: if it raises, nothing is in flight.)
+            job.ready = self.engine.record_ready()
+        self._track(transfer)
         if not needed:
             self._enqueue(job, pageable=False)
         elif self._policy == "pageable":
@@ -91,10 +105,6 @@ class TransferRouter:
             self._enqueue(job, pageable=True)
         else:
             self.counts.waited += 1
-            # A store must not copy blocks before the compute stream has produced them,
-            # and a load must not overwrite blocks the compute stream is still reading:
-            # the copy, queued later, waits for what the caller's stream has queued now.
-            job.ready = self.engine.record_ready()
             self._start_soon(self._enqueue_when_pinned, job, needed)
         return transfer
 
@@ -200,7 +210,7 @@ def _settle(job: TransferJob, error: BaseException | None) -> None:
     naming the transfer (the cause chained), unless it is one already or the transfer was
     interrupted by the close."""
     transfer = job.transfer
-    if error is not None and not isinstance(error, TransferError | anyio.ClosedResourceError):
+    if error is not None and not isinstance(error, TransferError | TransferInterrupted):
         wrapped = TransferError(
             f"{transfer.direction} failed ({transfer.method}, {transfer.path}): {error}",
             direction=transfer.direction,

@@ -22,7 +22,7 @@ from asyncpin._config import (
     check_num_host_blocks,
 )
 from asyncpin._lifecycle import Lifecycle, ManagerState
-from asyncpin._opened import Opened
+from asyncpin._opened import Opened, no_stats_fields
 from asyncpin._tasks import OwnedTasks
 from asyncpin.abc import EngineFactory, PinBackend, TransferEngine
 from asyncpin.backends import resolve_backend
@@ -53,7 +53,8 @@ class OffloadManager:
     Close contract (``aclose()`` and ``__aexit__``): idempotent, safe from any state and
     from concurrent callers, shielded from the caller's cancellation, and always in this
     order: refuse new use (``ClosedResourceError``) → stop the pin pipeline and wait for
-    its in-flight calls → unpin every chunk that was pinned, once → release the mapping.
+    its in-flight calls → wait for the transfers in flight (their device work) → close
+    the engine → unpin every chunk that was pinned, once → release the mapping.
     A chunk whose unpin failed is left mapped (leaked and logged), never freed under the
     device.
     """
@@ -156,8 +157,7 @@ class OffloadManager:
         )
         if not self._life.is_new:
             # Closed by another task while this one waited: it must not open now.
-            opened.drop_engine()
-            opened.region.release()
+            await opened.abandon()
             raise anyio.ClosedResourceError("the manager was closed while it was entered")
         self._opened = opened
         self._nbytes = opened.region.nbytes
@@ -275,9 +275,13 @@ class OffloadManager:
         return self._hugepage_bytes
 
     def stats(self) -> ManagerStats:
-        opened, seconds = self._opened, None
-        fields = opened.stats_fields(forked=self._life.forked()) if opened is not None else {}
-        seconds = fields.get("seconds_to_pinned")
+        opened = self._opened
+        fields = (
+            opened.stats_fields(forked=self._life.forked())
+            if opened is not None
+            else no_stats_fields()
+        )
+        seconds = fields["seconds_to_pinned"]
         error = self._pinned.error
         return ManagerStats(
             state=self.state.value,

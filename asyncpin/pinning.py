@@ -68,6 +68,7 @@ class PinScheduler:
         pinned: PinnedSignal | None = None,
         log: Any = None,
         started_at: float | None = None,
+        chunk_bytes: int | None = None,
     ) -> None:
         self.region = region
         self.backend = backend
@@ -79,6 +80,10 @@ class PinScheduler:
         self._prefault_threads = prefault_threads
         self._pin_threads = pin_threads
         self._pin_interval_s = pin_interval_s
+        # The size asked for (a region smaller than one chunk has one shorter chunk).
+        self._chunk_bytes = chunk_bytes if chunk_bytes is not None else (
+            chunks[0].nbytes if chunks else 0
+        )
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._next = 0
@@ -123,8 +128,7 @@ class PinScheduler:
     # -- pipeline ---------------------------------------------------------------------
 
     async def run(self) -> None:
-        chunk_bytes = self.chunks[0].nbytes if self.chunks else 0
-        self._log.info("pin.started", chunks=len(self.chunks), chunk_bytes=chunk_bytes)
+        self._log.info("pin.started", chunks=len(self.chunks), chunk_bytes=self._chunk_bytes)
         try:
             send, receive = anyio.create_memory_object_stream[Chunk](math.inf)
             prefault_limiter = anyio.CapacityLimiter(self._prefault_threads)
@@ -166,10 +170,11 @@ class PinScheduler:
             assert self.finished_at is not None
             self.seconds_to_pinned = self.finished_at - self.started_at
             nbytes = sum(chunk.nbytes for chunk in self.chunks)
+            seconds = self.seconds_to_pinned
             self._log.info(
                 "pin.complete",
-                seconds=self.seconds_to_pinned,
-                gib_per_s=nbytes / (1 << 30) / self.seconds_to_pinned,
+                seconds=seconds,
+                gib_per_s=nbytes / (1 << 30) / seconds if seconds else None,
             )
             self.pinned.resolve()
         else:

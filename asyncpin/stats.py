@@ -7,7 +7,7 @@ from dataclasses import dataclass
 __all__ = ["ManagerStats"]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True)
 class ManagerStats:
     """A snapshot of one manager; cheap to take at any time from the event loop."""
 
@@ -16,17 +16,17 @@ class ManagerStats:
     backing: str
     nbytes: int
     chunk_bytes: int
-    chunks_total: int = 0
-    chunks_pinned: int = 0
-    pinned_bytes: int = 0
-    chunks_leaked: int = 0
+    chunks_total: int
+    chunks_pinned: int
+    pinned_bytes: int
+    chunks_leaked: int
     seconds_to_enter: float | None
-    seconds_to_pinned: float | None = None
+    seconds_to_pinned: float | None
     pin_gib_per_s: float | None
     hugepages: str
     hugepage_bytes: int | None
-    slowest_pin_seconds: float = 0.0
-    unpin_seconds: float | None = None
+    slowest_pin_seconds: float
+    unpin_seconds: float | None
     close_seconds: float | None
     error: str | None
     transfers_stored: int = 0

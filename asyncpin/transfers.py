@@ -25,6 +25,7 @@ __all__ = [
     "Direction",
     "Method",
     "Transfer",
+    "TransferInterrupted",
     "TransferJob",
     "block_ids",
     "copy_in_thread",
@@ -126,10 +127,15 @@ class TransferJob:
             self.transfer._finish(error)
 
 
-def interrupted(exc: BaseException) -> anyio.ClosedResourceError:
-    """The outcome of a transfer whose driving task was cancelled (the manager is
-    closing): never the cancellation itself, which belongs to that task."""
-    error = anyio.ClosedResourceError("the transfer was interrupted: the manager is closing")
+class TransferInterrupted(anyio.ClosedResourceError):
+    """A transfer's driving task was cancelled because the manager is closing: the
+    awaiter sees a ClosedResourceError (the caller closed the manager), never the
+    cancellation itself, which belongs to that task."""
+
+
+def interrupted(exc: BaseException) -> TransferInterrupted:
+    """The outcome of a transfer interrupted by ``exc`` (chained)."""
+    error = TransferInterrupted("the transfer was interrupted: the manager is closing")
     error.__cause__ = exc
     return error
 

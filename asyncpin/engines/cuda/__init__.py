@@ -36,6 +36,7 @@ from asyncpin.engines.cuda.plan import (
     is_small,
     kernel_misalignment,
 )
+from asyncpin.errors import BackendCallError
 from asyncpin.gate import outside_captures, unless_capturing
 from asyncpin.transfers import Direction, TransferJob, copy_in_thread
 
@@ -169,7 +170,9 @@ class CudaTransferEngine:
             try:
                 with on_device(self._index):
                     lane.allocate_staging(self._rt, self._layout.host_block_bytes)
-            except RuntimeError as exc:  # torch.OutOfMemoryError is one
+            # torch.OutOfMemoryError is a RuntimeError; a failed runtime call (recording
+            # the staging events) a BackendCallError.
+            except (RuntimeError, BackendCallError) as exc:
                 _log.warning("transfer.staging_failed", fallback="batch", error=repr(exc))
                 return False
             return True
