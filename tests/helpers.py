@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import select
 import signal
@@ -14,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 import anyio
 import anyio.to_thread
 import pytest
+import torch
 
 from asyncpin import AsyncpinError, OffloadManager
 
@@ -57,6 +59,11 @@ def wait_child(pid: int, timeout_s: float = TIMEOUT_S) -> int:
         return os.waitstatus_to_exitcode(status)
     finally:
         os.close(pidfd)
+
+
+def digest(view: torch.Tensor) -> str:
+    """SHA-256 of a CPU tensor's bytes, to compare contents across processes."""
+    return hashlib.sha256(view.numpy().tobytes()).hexdigest()
 
 
 def footprint() -> tuple[int, frozenset[str]]:

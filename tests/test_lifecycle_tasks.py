@@ -11,9 +11,10 @@
 - ``pin_interval_s`` never delays a close; thread counts are bounded.
 - A forked child refuses every use of its parent's manager and never unpins or unmaps.
 
-Every scenario runs on asyncio and on trio (``anyio.run``), synchronised on events: the
-FakeBackend's stalled pin call, ``anyio.wait_all_tasks_blocked()``, and ``await`` on
-transfers. A stall is released in ``finally`` so a failed check cannot hang a close.
+Every scenario runs on asyncio and on trio (the ``anyio_backend`` fixture in
+``conftest.py``), synchronised on events: the FakeBackend's stalled pin call,
+``anyio.wait_all_tasks_blocked()``, and ``await`` on transfers. A stall is released in
+``finally`` so a failed check cannot hang a close.
 """
 
 from __future__ import annotations
@@ -50,15 +51,11 @@ from asyncpin.testing import FakeBackend, is_mapped
 from asyncpin.transfers import TransferJob
 from tests.helpers import TIMEOUT_S, releasing, wait_child, wait_thread_event
 
-BACKENDS = pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+pytestmark = pytest.mark.anyio
 
 BLOCK = 4096  # one host block per chunk
 HOST_BLOCKS = 8
 STALL_AT = 1  # chunk 0 pins, chunk 1's pin call is held
-
-
-def run(scenario: Callable[..., Awaitable[None]], anyio_backend: str, *args: Any) -> None:
-    anyio.run(scenario, *args, backend=anyio_backend)
 
 
 def kv_layout() -> KVLayout:
@@ -145,11 +142,7 @@ class Mid:
 
 
 class TestCloseFromAnyTask:
-    @BACKENDS
-    def test_enter_then_aclose_in_one_task(self, anyio_backend: str) -> None:
-        run(self._enter_then_aclose_in_one_task, anyio_backend)
-
-    async def _enter_then_aclose_in_one_task(self) -> None:
+    async def test_enter_then_aclose_in_one_task(self) -> None:
         baseline = live_tasks()
         mid = Mid()
         with anyio.fail_after(TIMEOUT_S), releasing(mid.fake):
@@ -160,12 +153,8 @@ class TestCloseFromAnyTask:
                 await mid.mgr.aclose()
         await mid.check_closed(baseline)
 
-    @BACKENDS
     @pytest.mark.parametrize("entry", ["aenter", "async-with"])
-    def test_close_while_the_entering_task_runs(self, anyio_backend: str, entry: str) -> None:
-        run(self._close_while_the_entering_task_runs, anyio_backend, entry)
-
-    async def _close_while_the_entering_task_runs(self, entry: str) -> None:
+    async def test_close_while_the_entering_task_runs(self, entry: str) -> None:
         baseline = live_tasks()
         mid = Mid()
         entered, leave, left = anyio.Event(), anyio.Event(), anyio.Event()
@@ -203,12 +192,8 @@ class TestCloseFromAnyTask:
         assert left.is_set()
         await mid.check_closed(baseline)
 
-    @BACKENDS
     @pytest.mark.parametrize("how", ["aclose", "aexit"])
-    def test_close_after_the_entering_task_finished(self, anyio_backend: str, how: str) -> None:
-        run(self._close_after_the_entering_task_finished, anyio_backend, how)
-
-    async def _close_after_the_entering_task_finished(self, how: str) -> None:
+    async def test_close_after_the_entering_task_finished(self, how: str) -> None:
         baseline = live_tasks()
         mid = Mid()
 
@@ -228,11 +213,7 @@ class TestCloseFromAnyTask:
                 await mid.release_once_closing()
         await mid.check_closed(baseline)
 
-    @BACKENDS
-    def test_concurrent_closes_from_several_tasks(self, anyio_backend: str) -> None:
-        run(self._concurrent_closes_from_several_tasks, anyio_backend)
-
-    async def _concurrent_closes_from_several_tasks(self) -> None:
+    async def test_concurrent_closes_from_several_tasks(self) -> None:
         baseline = live_tasks()
         mid = Mid()
         returned: list[ManagerState] = []
@@ -262,11 +243,7 @@ class TestCloseFromAnyTask:
         assert returned == [ManagerState.CLOSED] * 3
         await mid.check_closed(baseline)
 
-    @BACKENDS
-    def test_close_from_another_event_loop_is_refused(self, anyio_backend: str) -> None:
-        run(self._close_from_another_event_loop_is_refused, anyio_backend)
-
-    async def _close_from_another_event_loop_is_refused(self) -> None:
+    async def test_close_from_another_event_loop_is_refused(self) -> None:
         baseline = live_tasks()
         fake = FakeBackend()
         mgr = make(fake)
@@ -322,15 +299,9 @@ class Watchdog:
 
 
 class TestCloseInsideAHold:
-    @BACKENDS
     @pytest.mark.parametrize("hold", ["pinning_paused", "capture_gate"])
     @pytest.mark.parametrize("form", ["with", "async-with", "child-task", "thread"])
-    def test_aclose_inside_a_hold_is_refused(
-        self, anyio_backend: str, hold: str, form: str
-    ) -> None:
-        run(self._aclose_inside_a_hold_is_refused, anyio_backend, hold, form)
-
-    async def _aclose_inside_a_hold_is_refused(self, hold: str, form: str) -> None:
+    async def test_aclose_inside_a_hold_is_refused(self, hold: str, form: str) -> None:
         baseline = live_tasks()
         fake = FakeBackend()
         mgr = make(fake)
@@ -435,11 +406,7 @@ async def raise_repeatedly(
 
 
 class TestStoredErrorsDoNotGrow:
-    @BACKENDS
-    def test_pinned_after_a_failure(self, anyio_backend: str) -> None:
-        run(self._pinned_after_a_failure, anyio_backend)
-
-    async def _pinned_after_a_failure(self) -> None:
+    async def test_pinned_after_a_failure(self) -> None:
         with anyio.fail_after(TIMEOUT_S):
             async with make(FakeBackend(fail_pin_at=2)) as mgr:
                 error = await raise_repeatedly(lambda: mgr.pinned, PinError)
@@ -450,26 +417,18 @@ class TestStoredErrorsDoNotGrow:
                     await mgr.pinned
                 assert error.__context__ is None
 
-    @BACKENDS
-    def test_a_failed_transfer(self, anyio_backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def test_a_failed_transfer(self, monkeypatch: pytest.MonkeyPatch) -> None:
         def fail(engine: HostTransferEngine, job: TransferJob) -> None:
             raise RuntimeError("copy failed")
 
         monkeypatch.setattr(HostTransferEngine, "_copy", fail)
-        run(self._a_failed_transfer, anyio_backend)
-
-    async def _a_failed_transfer(self) -> None:
         with anyio.fail_after(TIMEOUT_S):
             async with make(FakeBackend()) as mgr:
                 await mgr.pinned
                 transfer = mgr.store([0], [0])
                 await raise_repeatedly(lambda: transfer, TransferError)
 
-    @BACKENDS
-    def test_pinned_after_close(self, anyio_backend: str) -> None:
-        run(self._pinned_after_close, anyio_backend)
-
-    async def _pinned_after_close(self) -> None:
+    async def test_pinned_after_close(self) -> None:
         fake = FakeBackend(stall_pin_at=STALL_AT)
         mgr = make(fake)
         with anyio.fail_after(TIMEOUT_S):
@@ -485,11 +444,7 @@ class TestStoredErrorsDoNotGrow:
 
 
 class TestPacing:
-    @BACKENDS
-    def test_close_does_not_wait_out_the_pin_interval(self, anyio_backend: str) -> None:
-        run(self._close_does_not_wait_out_the_pin_interval, anyio_backend)
-
-    async def _close_does_not_wait_out_the_pin_interval(self) -> None:
+    async def test_close_does_not_wait_out_the_pin_interval(self) -> None:
         fake = FakeBackend(stall_pin_at=0)
         with anyio.fail_after(TIMEOUT_S):
             async with make(fake, pin_interval_s=3600) as mgr:
@@ -519,11 +474,7 @@ class TestPacing:
 
 
 class TestOwnedTasks:
-    @BACKENDS
-    def test_a_raising_task_is_logged_and_close_cancels_the_rest(self, anyio_backend: str) -> None:
-        run(self._a_raising_task_is_logged_and_close_cancels_the_rest, anyio_backend)
-
-    async def _a_raising_task_is_logged_and_close_cancels_the_rest(self) -> None:
+    async def test_a_raising_task_is_logged_and_close_cancels_the_rest(self) -> None:
         baseline = live_tasks()
         import structlog
 
@@ -615,11 +566,7 @@ def child_checks(mgr: OffloadManager, fake: FakeBackend, address: int) -> list[s
 
 
 class TestFork:
-    @BACKENDS
-    def test_a_forked_child_refuses_the_parents_manager(self, anyio_backend: str) -> None:
-        run(self._a_forked_child_refuses_the_parents_manager, anyio_backend)
-
-    async def _a_forked_child_refuses_the_parents_manager(self) -> None:
+    async def test_a_forked_child_refuses_the_parents_manager(self) -> None:
         fake = FakeBackend()
         with anyio.fail_after(TIMEOUT_S):
             async with make(fake) as mgr:
@@ -654,10 +601,7 @@ class TestCloseRacesEntryAndCancellation:
     """A close during entry keeps the manager closed; a closer cancelled while it waits
     stops waiting, never the close; a waiter's `raise ... from` leaves the error intact."""
 
-    @BACKENDS
-    def test_close_while_the_engine_prepares(
-        self, anyio_backend: str, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
+    async def test_close_while_the_engine_prepares(self, monkeypatch: pytest.MonkeyPatch) -> None:
         entered, go_on = threading.Event(), threading.Event()
 
         def prepare(self: HostTransferEngine) -> None:
@@ -665,11 +609,6 @@ class TestCloseRacesEntryAndCancellation:
             assert go_on.wait(TIMEOUT_S)
 
         monkeypatch.setattr(HostTransferEngine, "prepare", prepare)
-        run(self._close_while_the_engine_prepares, anyio_backend, entered, go_on)
-
-    async def _close_while_the_engine_prepares(
-        self, entered: threading.Event, go_on: threading.Event
-    ) -> None:
         fake = FakeBackend()
         mgr = make(fake)
         failure: list[BaseException] = []
@@ -696,6 +635,7 @@ class TestCloseRacesEntryAndCancellation:
             mgr.store([0], [0])
 
     def test_a_natively_cancelled_closer_leaves_the_close_running(self) -> None:
+        """asyncio only: the closer is cancelled with asyncio's own ``Task.cancel()``."""
         asyncio.run(self._natively_cancelled_closer())
 
     async def _natively_cancelled_closer(self) -> None:
@@ -720,11 +660,7 @@ class TestCloseRacesEntryAndCancellation:
         assert sorted(fake.unpinned_spans()) == sorted(fake.pinned_spans()) != []
         assert not is_mapped(address, mgr.nbytes)
 
-    @BACKENDS
-    def test_a_waiters_raise_from_leaves_the_cause(self, anyio_backend: str) -> None:
-        run(self._a_waiters_raise_from_leaves_the_cause, anyio_backend)
-
-    async def _a_waiters_raise_from_leaves_the_cause(self) -> None:
+    async def test_a_waiters_raise_from_leaves_the_cause(self) -> None:
         with anyio.fail_after(TIMEOUT_S):
             async with make(FakeBackend(fail_pin_at=0)) as mgr:
                 with pytest.raises(PinError) as first:

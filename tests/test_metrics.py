@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 
 import anyio
-import anyio.to_thread
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
@@ -16,15 +14,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from structlog.testing import capture_logs
 
-from asyncpin import KVLayout, OffloadManager, PinError, Transfer, TransferError
+from asyncpin import OffloadManager, PinError, Transfer, TransferError
 from asyncpin.engines.host import HostTransferEngine
 from asyncpin.metrics import DEFAULT_LATENCY_BUCKETS, OffloadCollector
 from asyncpin.testing import FakeBackend
 from asyncpin.transfers import TransferJob
+from tests.helpers import TIMEOUT_S, wait_thread_event
+from tests.kit import small_kv
 
 CHUNK = 64 << 10
 NCHUNKS = 8
-TIMEOUT_S = 30.0
 
 
 def scrape(registry: CollectorRegistry) -> dict[str, list[Sample]]:
@@ -49,14 +48,6 @@ def value(
 @pytest.fixture
 def registry() -> Iterator[CollectorRegistry]:
     yield CollectorRegistry()
-
-
-def kv_layout(num_blocks: int = 16) -> KVLayout:
-    return KVLayout.from_tensors([torch.ones(num_blocks, 4, 128, dtype=torch.float16)])
-
-
-async def wait_thread_event(event: threading.Event) -> None:
-    assert await anyio.to_thread.run_sync(event.wait, TIMEOUT_S), "thread event never set"
 
 
 class TestPinningMetrics:
@@ -122,9 +113,9 @@ class TestTransferMetrics:
     """Transfers are counted by direction, path and outcome, with bytes and latency."""
 
     async def test_counts_bytes_and_latency_by_direction_and_path(
-        self, registry: CollectorRegistry
+        self, registry: CollectorRegistry, gen: torch.Generator
     ) -> None:
-        layout = kv_layout()
+        layout = small_kv(gen)
         blocks_per_chunk = CHUNK // layout.host_block_bytes
         fake = FakeBackend(stall_pin_at=1)
         mgr = OffloadManager.for_kv(
@@ -193,13 +184,13 @@ class TestTransferMetrics:
                 assert buckets == sorted(buckets), "buckets are cumulative"
 
     async def test_failed_transfer_is_counted_as_failed(
-        self, registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch
+        self, registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch, gen: torch.Generator
     ) -> None:
         def broken(engine: HostTransferEngine, job: TransferJob) -> None:
             raise RuntimeError("copy broke")
 
         monkeypatch.setattr(HostTransferEngine, "_copy", broken)
-        mgr = OffloadManager.for_kv(kv_layout(), 8, backend=FakeBackend(), chunk_bytes=CHUNK)
+        mgr = OffloadManager.for_kv(small_kv(gen), 8, backend=FakeBackend(), chunk_bytes=CHUNK)
         registry.register(OffloadCollector(mgr))
         with anyio.fail_after(TIMEOUT_S):
             async with mgr:
@@ -223,8 +214,10 @@ class TestTransferMetrics:
 class TestTransferObserver:
     """add_transfer_observer sees every finished transfer; a failing observer is contained."""
 
-    async def test_observer_sees_finished_transfers_and_its_errors_are_logged(self) -> None:
-        layout = kv_layout()
+    async def test_observer_sees_finished_transfers_and_its_errors_are_logged(
+        self, gen: torch.Generator
+    ) -> None:
+        layout = small_kv(gen)
         mgr = OffloadManager.for_kv(layout, 8, backend=FakeBackend(), chunk_bytes=CHUNK)
         seen: list[tuple[str, bool, float | None]] = []
 

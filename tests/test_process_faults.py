@@ -29,7 +29,7 @@ import torch
 from asyncpin import HostBackend, KVLayout, ManagerState, OffloadManager, _sys
 from asyncpin.shm import SHM_DIR, is_stale, unlink_stale
 from asyncpin.testing import FakeBackend
-from tests.helpers import wait_child
+from tests.helpers import digest, wait_child
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -103,10 +103,6 @@ def child(*args: str) -> Iterator[subprocess.Popen[str]]:
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
-
-
-def digest(view: torch.Tensor) -> str:
-    return hashlib.sha256(view.numpy().tobytes()).hexdigest()
 
 
 def vmas(address: int, nbytes: int) -> set[tuple[int, int]]:

@@ -26,7 +26,7 @@ from asyncpin.region import (
 )
 from asyncpin.shm import HEADER_BYTES, SHM_DIR, is_stale, validate_name
 from asyncpin.testing import is_mapped
-from tests.helpers import wait_child
+from tests.helpers import digest, wait_child
 
 PAGE = _sys.PAGE_SIZE
 MIB = 1 << 20
@@ -48,10 +48,6 @@ def random_fill(view: torch.Tensor) -> bytes:
     data = bytes(b | 1 for b in os.urandom(view.numel()))
     view.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     return data
-
-
-def digest(view: torch.Tensor) -> str:
-    return hashlib.sha256(view.numpy().tobytes()).hexdigest()
 
 
 def child_env() -> dict[str, str]:

@@ -8,14 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
-import anyio.to_thread
 import httpx
 import pytest
 from asgi_lifespan import LifespanManager
@@ -25,13 +23,13 @@ from starlette.applications import Starlette
 from asyncpin import ManagerState, OffloadManager, PinError
 from asyncpin.testing import FakeBackend
 from examples.server import create_app
+from tests.helpers import TIMEOUT_S, wait_thread_event
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHM_DIR = Path("/dev/shm")
 CHUNK = 64 << 10
 NCHUNKS = 4
 NBYTES = CHUNK * NCHUNKS
-TIMEOUT_S = 30.0
 
 
 @asynccontextmanager
@@ -49,10 +47,6 @@ async def serving(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
 def manager_of(app: Starlette) -> OffloadManager:
     manager: OffloadManager = app.state.manager
     return manager
-
-
-async def wait_thread_event(event: threading.Event) -> None:
-    assert await anyio.to_thread.run_sync(event.wait, TIMEOUT_S), "thread event never set"
 
 
 def assert_closed_in_order(manager: OffloadManager, fake: FakeBackend) -> None:

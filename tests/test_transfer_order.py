@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -32,7 +32,6 @@ from typing import Any, Literal, Protocol
 import anyio
 import anyio.to_thread
 import pytest
-import sniffio
 import torch
 
 import asyncpin.engines.host
@@ -43,6 +42,8 @@ from asyncpin.testing import FakeBackend
 from asyncpin.transfers import TransferJob, copy_in_thread
 from tests.helpers import wait_thread_event
 
+pytestmark = pytest.mark.anyio
+
 Direction = Literal["store", "load"]
 TIMEOUT_S = 60.0
 HOLD_TIMEOUT_S = 30.0
@@ -51,20 +52,19 @@ HOLD_TIMEOUT_S = 30.0
 @dataclass(frozen=True)
 class Engine:
     device: Literal["cpu", "cuda"]
-    backend: Literal["asyncio", "trio"]
     layers: int
     blocks: int
     host_blocks: int
     block_shape: tuple[int, ...]
 
     def __str__(self) -> str:
-        return f"{'host' if self.device == 'cpu' else 'cuda'}-{self.backend}"
+        return "host" if self.device == "cpu" else "cuda"
 
 
 # 4 KiB host blocks (two layers, K and V of 1 KiB), 4 MiB of host region.
-HOST = [Engine("cpu", b, 2, 1024, 1024, (8, 64)) for b in ("asyncio", "trio")]
+HOST = Engine("cpu", 2, 1024, 1024, (8, 64))
 # The CUDA tests' layout: 32 KiB per block per array, 16 arrays, 512 MiB of host region.
-CUDA = [Engine("cuda", b, 8, 1024, 1024, (16, 8, 128)) for b in ("asyncio", "trio")]
+CUDA = Engine("cuda", 8, 1024, 1024, (16, 8, 128))
 
 
 # -- holding the engine busy while transfers are queued ---------------------------------
@@ -147,7 +147,6 @@ class CudaHold:
 
 @asynccontextmanager
 async def kv_manager(engine: Engine) -> AsyncIterator[tuple[OffloadManager, KVLayout]]:
-    assert sniffio.current_async_library() == engine.backend
     gen = torch.Generator(device=engine.device).manual_seed(20240611)
     shape = (2, engine.blocks, *engine.block_shape)
     arrays = [
@@ -241,26 +240,19 @@ async def queued_in_order(
         assert mgr.stats().transfers_failed == 0
 
 
-def run_case(
-    engine: Engine,
-    monkeypatch: pytest.MonkeyPatch,
-    body: Callable[[Callable[[], Hold]], Awaitable[None]],
-) -> None:
+def hold_for(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Hold]:
+    """What keeps ``engine`` busy, made when the first transfer is queued."""
+
     def make_hold() -> Hold:
         return HostHold(monkeypatch) if engine.device == "cpu" else CudaHold()
 
-    async def main() -> None:
-        await body(make_hold)
-
-    anyio.run(main, backend=engine.backend)
+    return make_hold
 
 
 def cases(host: list[list[Job]], cuda: list[list[Job]]) -> pytest.MarkDecorator:
-    params = [pytest.param(e, jobs, id=f"{e}-{ids(jobs)}") for e in HOST for jobs in host]
+    params = [pytest.param(HOST, jobs, id=f"{HOST}-{ids(jobs)}") for jobs in host]
     params += [
-        pytest.param(e, jobs, id=f"{e}-{ids(jobs)}", marks=pytest.mark.cuda)
-        for e in CUDA
-        for jobs in cuda
+        pytest.param(CUDA, jobs, id=f"{CUDA}-{ids(jobs)}", marks=pytest.mark.cuda) for jobs in cuda
     ]
     return pytest.mark.parametrize(("engine", "jobs"), params)
 
@@ -302,125 +294,78 @@ class TestSubmissionOrder:
     sizes and methods."""
 
     @LATER_WINS
-    def test_the_later_store_wins(
+    async def test_the_later_store_wins(
         self, engine: Engine, jobs: list[Job], monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        run_case(
-            engine,
-            monkeypatch,
-            lambda make_hold: queued_in_order(
-                engine, "store", jobs, overlap=True, make_hold=make_hold
-            ),
-        )
+        make_hold = hold_for(engine, monkeypatch)
+        await queued_in_order(engine, "store", jobs, overlap=True, make_hold=make_hold)
 
     @LATER_WINS
-    def test_the_later_load_wins(
+    async def test_the_later_load_wins(
         self, engine: Engine, jobs: list[Job], monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        run_case(
-            engine,
-            monkeypatch,
-            lambda make_hold: queued_in_order(
-                engine, "load", jobs, overlap=True, make_hold=make_hold
-            ),
-        )
+        make_hold = hold_for(engine, monkeypatch)
+        await queued_in_order(engine, "load", jobs, overlap=True, make_hold=make_hold)
 
     @BACK_TO_BACK
-    def test_stores_back_to_back_to_one_block(
+    async def test_stores_back_to_back_to_one_block(
         self, engine: Engine, jobs: list[Job], monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        run_case(
-            engine,
-            monkeypatch,
-            lambda make_hold: queued_in_order(
-                engine, "store", jobs, overlap=True, make_hold=make_hold
-            ),
-        )
+        make_hold = hold_for(engine, monkeypatch)
+        await queued_in_order(engine, "store", jobs, overlap=True, make_hold=make_hold)
 
     @BACK_TO_BACK
-    def test_loads_back_to_back_to_one_block(
+    async def test_loads_back_to_back_to_one_block(
         self, engine: Engine, jobs: list[Job], monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        run_case(
-            engine,
-            monkeypatch,
-            lambda make_hold: queued_in_order(
-                engine, "load", jobs, overlap=True, make_hold=make_hold
-            ),
-        )
+        make_hold = hold_for(engine, monkeypatch)
+        await queued_in_order(engine, "load", jobs, overlap=True, make_hold=make_hold)
 
 
 class TestQueuedBackToBack:
     """Two jobs of one direction queued before either runs move their own blocks."""
 
     @OWN_BLOCKS
-    def test_two_stores(
+    async def test_two_stores(
         self, engine: Engine, jobs: list[Job], monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        run_case(
-            engine,
-            monkeypatch,
-            lambda make_hold: queued_in_order(
-                engine, "store", jobs, overlap=False, make_hold=make_hold
-            ),
-        )
+        make_hold = hold_for(engine, monkeypatch)
+        await queued_in_order(engine, "store", jobs, overlap=False, make_hold=make_hold)
 
     @OWN_BLOCKS
-    def test_two_loads(
+    async def test_two_loads(
         self, engine: Engine, jobs: list[Job], monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        run_case(
-            engine,
-            monkeypatch,
-            lambda make_hold: queued_in_order(
-                engine, "load", jobs, overlap=False, make_hold=make_hold
-            ),
-        )
+        make_hold = hold_for(engine, monkeypatch)
+        await queued_in_order(engine, "load", jobs, overlap=False, make_hold=make_hold)
 
 
 # -- the host engine's queues -----------------------------------------------------------
-
-BACKENDS = pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
-
-
-def host_engine(anyio_backend: str) -> Engine:
-    (engine,) = [e for e in HOST if e.backend == anyio_backend]
-    return engine
 
 
 class TestHostEngineQueues:
     """One FIFO per direction: a store and a load still run at once, a failed copy fails
     its own transfer only, and closing settles what never started."""
 
-    @BACKENDS
-    def test_a_load_runs_while_a_store_is_held(
-        self, anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+    async def test_a_load_runs_while_a_store_is_held(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        hold = HostHold(monkeypatch)
+        async with kv_manager(HOST) as (mgr, layout):
+            with anyio.fail_after(TIMEOUT_S):
+                try:
+                    store = mgr.store([0, 1], [0, 1])
+                    await hold.first_copy_started()
+                    expected = mgr.host_blocks()[[5, 6]].clone()
+                    await mgr.load([5, 6], [10, 11])  # the store's copy is still held
+                    assert not store.done()
+                finally:
+                    hold.let_go()
+                await store
+            for a, array in enumerate(layout.arrays):
+                assert same_bytes(array[[10, 11]], expected[:, a])
+
+    async def test_a_failed_copy_fails_its_transfer_only(
+        self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        engine = host_engine(anyio_backend)
-
-        async def main() -> None:
-            hold = HostHold(monkeypatch)
-            async with kv_manager(engine) as (mgr, layout):
-                with anyio.fail_after(TIMEOUT_S):
-                    try:
-                        store = mgr.store([0, 1], [0, 1])
-                        await hold.first_copy_started()
-                        expected = mgr.host_blocks()[[5, 6]].clone()
-                        await mgr.load([5, 6], [10, 11])  # the store's copy is still held
-                        assert not store.done()
-                    finally:
-                        hold.let_go()
-                    await store
-                for a, array in enumerate(layout.arrays):
-                    assert same_bytes(array[[10, 11]], expected[:, a])
-
-        anyio.run(main, backend=anyio_backend)
-
-    @BACKENDS
-    def test_a_failed_copy_fails_its_transfer_only(
-        self, anyio_backend: str, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        engine = host_engine(anyio_backend)
         real_copy = HostTransferEngine._copy
 
         def copy(self: HostTransferEngine, job: TransferJob) -> None:
@@ -428,61 +373,54 @@ class TestHostEngineQueues:
                 raise RuntimeError("injected copy failure")
             real_copy(self, job)
 
-        async def main() -> None:
-            monkeypatch.setattr(HostTransferEngine, "_copy", copy)
-            hold = HostHold(monkeypatch)  # holds the first copy, then calls `copy`
-            async with kv_manager(engine) as (mgr, layout):
-                with anyio.fail_after(TIMEOUT_S):
-                    try:
-                        first = mgr.store([3], [0])
-                        await hold.first_copy_started()
-                        failing = mgr.store([7], [0])
-                        last = mgr.store([9], [0])
-                        await hold.release()
-                    finally:
-                        hold.let_go()
-                    await first
-                    with pytest.raises(TransferError, match="injected copy failure"):
-                        await failing
-                    await last
-                for a, array in enumerate(layout.arrays):
-                    assert same_bytes(mgr.host_blocks()[0, a], array[9])
-                assert mgr.stats().transfers_failed == 1
+        monkeypatch.setattr(HostTransferEngine, "_copy", copy)
+        hold = HostHold(monkeypatch)  # holds the first copy, then calls `copy`
+        async with kv_manager(HOST) as (mgr, layout):
+            with anyio.fail_after(TIMEOUT_S):
+                try:
+                    first = mgr.store([3], [0])
+                    await hold.first_copy_started()
+                    failing = mgr.store([7], [0])
+                    last = mgr.store([9], [0])
+                    await hold.release()
+                finally:
+                    hold.let_go()
+                await first
+                with pytest.raises(TransferError, match="injected copy failure"):
+                    await failing
+                await last
+            for a, array in enumerate(layout.arrays):
+                assert same_bytes(mgr.host_blocks()[0, a], array[9])
+            assert mgr.stats().transfers_failed == 1
 
-        anyio.run(main, backend=anyio_backend)
-
-    @BACKENDS
-    def test_cancelled_drain_settles_the_queued_jobs(
-        self, anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+    async def test_cancelled_drain_settles_the_queued_jobs(
+        self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """Cancelled while copying, the engine's task lets the copy in flight end and settles
         the jobs behind it, which never start, with ClosedResourceError."""
 
-        async def main() -> None:
-            hold = HostHold(monkeypatch)
-            layout = KVLayout.from_tensors([torch.arange(4 * 16, dtype=torch.uint8).view(4, 16)])
-            host = torch.zeros(2, 1, 16, dtype=torch.uint8)
-            jobs = [TransferJob(Transfer("store", 1, 16), [g], [0], "auto") for g in (1, 2, 3)]
-            with anyio.fail_after(TIMEOUT_S):
-                async with anyio.create_task_group() as tg:
-                    engine = HostTransferEngine(EngineSetup(layout, host, 1 << 30, tg.start_soon))
-                    try:
-                        engine.submit(jobs[0], pageable=False)
-                        await hold.first_copy_started()
-                        engine.submit(jobs[1], pageable=False)
-                        engine.submit(jobs[2], pageable=False)
-                        tg.cancel_scope.cancel()
-                    finally:
-                        hold.let_go()
-            # The copy in flight ran to its end (reported done, or interrupted by the
-            # cancellation); the ones behind it never ran.
-            assert jobs[0].transfer.done()
-            assert jobs[0].transfer.error is None or isinstance(
-                jobs[0].transfer.error, anyio.ClosedResourceError
-            )
-            for job in jobs[1:]:
-                assert job.transfer.done()
-                assert isinstance(job.transfer.error, anyio.ClosedResourceError)
-            assert torch.equal(host[0, 0], layout.arrays[0][1]), "a queued job ran"
-
-        anyio.run(main, backend=anyio_backend)
+        hold = HostHold(monkeypatch)
+        layout = KVLayout.from_tensors([torch.arange(4 * 16, dtype=torch.uint8).view(4, 16)])
+        host = torch.zeros(2, 1, 16, dtype=torch.uint8)
+        jobs = [TransferJob(Transfer("store", 1, 16), [g], [0], "auto") for g in (1, 2, 3)]
+        with anyio.fail_after(TIMEOUT_S):
+            async with anyio.create_task_group() as tg:
+                engine = HostTransferEngine(EngineSetup(layout, host, 1 << 30, tg.start_soon))
+                try:
+                    engine.submit(jobs[0], pageable=False)
+                    await hold.first_copy_started()
+                    engine.submit(jobs[1], pageable=False)
+                    engine.submit(jobs[2], pageable=False)
+                    tg.cancel_scope.cancel()
+                finally:
+                    hold.let_go()
+        # The copy in flight ran to its end (reported done, or interrupted by the
+        # cancellation); the ones behind it never ran.
+        assert jobs[0].transfer.done()
+        assert jobs[0].transfer.error is None or isinstance(
+            jobs[0].transfer.error, anyio.ClosedResourceError
+        )
+        for job in jobs[1:]:
+            assert job.transfer.done()
+            assert isinstance(job.transfer.error, anyio.ClosedResourceError)
+        assert torch.equal(host[0, 0], layout.arrays[0][1]), "a queued job ran"
