@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from asyncpin import _sys
+from asyncpin._mapping import HUGE_PAGE
 from asyncpin.abc import EngineFactory
 from asyncpin.engines import check_engine_choice
 from asyncpin.errors import ConfigError
@@ -68,7 +69,7 @@ def _check_threads(knob: str, value: Any) -> int:
 
 
 def _check_chunk_bytes(chunk_bytes: Any, hugepages: HugePages) -> int:
-    if hugepages == "hugetlb" and _is_int(chunk_bytes) and chunk_bytes % (2 << 20):
+    if hugepages == "hugetlb" and _is_int(chunk_bytes) and chunk_bytes % HUGE_PAGE:
         raise ConfigError(
             f"chunk_bytes={chunk_bytes} must be a multiple of 2 MiB with hugepages='hugetlb' "
             "(huge pages cannot be split between chunks)"

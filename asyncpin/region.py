@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import gc
-import mmap
 import os
 import weakref
 from collections.abc import Callable
@@ -22,7 +21,15 @@ import anyio
 import torch
 
 from asyncpin import _sys
-from asyncpin.errors import ConfigError, PreflightError
+from asyncpin._mapping import (
+    HUGE_PAGE,
+    Mapping,
+    hugetlb_free_bytes,
+    map_anonymous_aligned,
+    map_hugetlb,
+    merged,
+)
+from asyncpin.errors import ConfigError
 from asyncpin.shm import (
     RegionHeader,
     SharedFile,
@@ -50,8 +57,6 @@ __all__ = [
 Backing = Literal["anonymous", "shared"]
 HugePages = Literal["thp", "hugetlb", "none"]
 
-_HUGE_PAGE = 2 << 20
-_MAP_HUGETLB = 0x40000
 # Far beyond any machine's memory, and far below where size arithmetic (and size_t) wraps.
 MAX_NBYTES = 1 << 56
 
@@ -67,79 +72,6 @@ class Chunk:
     index: int
     offset: int
     nbytes: int
-
-
-class _Mapping:
-    """The address range of one region. The region and every view of it hold it; once the
-    region is released, the range is unmapped when the last holder lets go, so no view can
-    read unmapped memory or reach whatever is mapped there next."""
-
-    __slots__ = ("__weakref__", "address", "keep", "nbytes", "pid", "released")
-
-    def __init__(self, address: int, nbytes: int) -> None:
-        self.address = address
-        self.nbytes = nbytes
-        self.pid = os.getpid()
-        self.keep: list[Chunk] = []
-        self.released = False
-        _LIVE.add(self)
-
-    def __del__(self) -> None:
-        # In a forked child that could not cover the range (see _cover_in_child), it may
-        # hold the child's own memory, which must not be unmapped.
-        if self.released and os.getpid() == self.pid:
-            _unmap_except(self.address, self.nbytes, self.keep)
-
-
-_LIVE: weakref.WeakSet[_Mapping] = weakref.WeakSet()
-_MAP_FIXED_NOREPLACE = 0x100000
-_MAP_NORESERVE = 0x4000
-
-
-def _cover_in_child() -> None:
-    """After fork, in the child: a region is MADV_DONTFORK, so its range is a hole there
-    that the child's own allocations would fill, and a view kept across the fork would
-    then write into them. Map private zero pages over each hole first: a stale view in the
-    child reads zeros and writes to memory nobody else has, and the placeholder is the
-    child's to unmap when the last view goes."""
-    for mapping in list(_LIVE):
-        try:
-            _sys.libc_mmap(
-                mapping.nbytes,
-                mmap.PROT_READ | mmap.PROT_WRITE,
-                # No reservation: a placeholder as large as the region costs nothing
-                # until a stale view touches it.
-                mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED_NOREPLACE,
-                addr=mapping.address,
-            )
-        except OSError:
-            continue  # taken already (or an old kernel): never unmapped by this child
-        mapping.pid, mapping.keep, mapping.released = os.getpid(), [], True
-
-
-os.register_at_fork(after_in_child=_cover_in_child)
-
-
-def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``(offset, nbytes)`` spans sorted, with touching or overlapping ones joined."""
-    out: list[tuple[int, int]] = []
-    for offset, nbytes in sorted(spans):
-        if out and offset <= out[-1][0] + out[-1][1]:
-            start = out[-1][0]
-            out[-1] = (start, max(out[-1][1], offset + nbytes - start))
-        else:
-            out.append((offset, nbytes))
-    return out
-
-
-def _unmap_except(address: int, nbytes: int, keep: list[Chunk]) -> None:
-    cursor = 0
-    for chunk in sorted(keep, key=lambda c: c.offset):
-        if chunk.offset > cursor:
-            _sys.libc_munmap(address + cursor, chunk.offset - cursor)
-        cursor = chunk.offset + chunk.nbytes
-    if cursor < nbytes:
-        _sys.libc_munmap(address + cursor, nbytes - cursor)
 
 
 class HostRegion:
@@ -194,7 +126,7 @@ class HostRegion:
         self._owner = owner
         self._pid = os.getpid()
         self._closed = False
-        self._mapping: _Mapping | None = _Mapping(address, nbytes)
+        self._mapping: Mapping | None = Mapping(address, nbytes)
         self._mapping_ref = weakref.ref(self._mapping)
 
     # -- construction -----------------------------------------------------------------
@@ -226,10 +158,10 @@ class HostRegion:
             if name is not None:
                 raise ConfigError("name is only meaningful for backing='shared'")
             if hugepages == "hugetlb":
-                nbytes = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
-                address = _map_hugetlb(nbytes)
+                nbytes = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+                address = map_hugetlb(nbytes)
             else:
-                address = _map_anonymous_aligned(nbytes)
+                address = map_anonymous_aligned(nbytes)
             region = cls(
                 address=address,
                 nbytes=nbytes,
@@ -384,7 +316,7 @@ class HostRegion:
         self._check_open()
         if self.backing != "shared":
             return
-        for offset, nbytes in _merged(spans):
+        for offset, nbytes in merged(spans):
             try:
                 os.posix_fallocate(self._fd, offset, nbytes)
             except OSError as exc:
@@ -425,7 +357,7 @@ class HostRegion:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
-            mapping.keep = list(keep or [])
+            mapping.keep = [(chunk.offset, chunk.nbytes) for chunk in keep or []]
             mapping.released = True
             del mapping  # unmapped here unless a view holds it
         if self._mapping_ref() is not None:
@@ -472,42 +404,3 @@ def validate_hugepages(hugepages: object) -> HugePages:
     if hugepages not in ("thp", "hugetlb", "none"):
         raise ConfigError(f"unknown hugepages policy {hugepages!r}: use 'thp', 'hugetlb' or 'none'")
     return hugepages
-
-
-def hugetlb_free_bytes() -> int:
-    """Free pages of the default hugetlb pool, in bytes (/proc/meminfo)."""
-    fields = _sys.meminfo()
-    return fields.get("HugePages_Free", 0) * fields.get("Hugepagesize", 0)
-
-
-def _map_hugetlb(nbytes: int) -> int:
-    """Map from the reserved hugetlb pool; a short pool is a PreflightError saying what to do."""
-    free = hugetlb_free_bytes()
-    fix = (
-        f"the pool needs {nbytes // _HUGE_PAGE} free 2 MiB pages (raise "
-        "/proc/sys/vm/nr_hugepages) or use hugepages='thp'"
-    )
-    if nbytes > free:
-        raise PreflightError("hugetlb", nbytes, free, fix)
-    prot = mmap.PROT_READ | mmap.PROT_WRITE
-    try:
-        return _sys.libc_mmap(nbytes, prot, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_HUGETLB)
-    except OSError as exc:
-        if exc.errno == errno.ENOMEM:
-            raise PreflightError("hugetlb", nbytes, hugetlb_free_bytes(), fix) from exc
-        raise
-
-
-def _map_anonymous_aligned(nbytes: int) -> int:
-    """Map anonymous memory at a 2 MiB boundary, exactly ``nbytes`` long, so that THP
-    can back it from its first byte; the slack of the over-sized mapping is unmapped."""
-    prot = mmap.PROT_READ | mmap.PROT_WRITE
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    raw = _sys.libc_mmap(nbytes + _HUGE_PAGE, prot, flags)
-    start = -(-raw // _HUGE_PAGE) * _HUGE_PAGE
-    if start > raw:
-        _sys.libc_munmap(raw, start - raw)
-    tail = raw + nbytes + _HUGE_PAGE - (start + nbytes)
-    if tail:
-        _sys.libc_munmap(start + nbytes, tail)
-    return start
