@@ -304,6 +304,11 @@ class OffloadManager:
     def kv_layout(self) -> KVLayout | None:
         return self._config.kv_layout
 
+    @property
+    def num_host_blocks(self) -> int:
+        """Host blocks of the KV layout (0 without one)."""
+        return self._config.num_host_blocks
+
     def host_blocks(self) -> torch.Tensor:
         """``[num_host_blocks, num_arrays, *block_shape]`` view of the host KV blocks."""
         self._life.check_open()

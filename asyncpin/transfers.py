@@ -81,6 +81,14 @@ class Transfer(Outcome):
         """Seconds from submission to completion (None while in flight)."""
         return None if self.t_done is None else self.t_done - self.t_submit
 
+    def add_done_callback(self, callback: Callable[[Transfer], None]) -> None:
+        """Call ``callback(transfer)`` on the event loop when the transfer finishes (at
+        once if it has): done or failed (``transfer.error``), its device work over."""
+        if self.done():
+            callback(self)
+        else:
+            self._callbacks.append(callback)
+
     def _finish(self, error: BaseException | None = None) -> None:
         t_done = time.perf_counter()
         if self._settle(error):

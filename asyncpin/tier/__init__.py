@@ -1,0 +1,127 @@
+"""The KV tier: host blocks addressed by the engine's block hashes.
+
+:class:`KVTier` puts a :class:`~asyncpin.tier.index.BlockIndex` in front of an open
+manager with a KV layout: ``lookup`` how much of a prompt's prefix is on the host,
+``store`` device blocks under their hashes, ``load`` hashes into device blocks. The
+copies are the manager's :class:`~asyncpin.Transfer` handles; the bookkeeping is
+synchronous and O(number of hashes), safe to call from an engine's scheduler step.
+Without a GPU or in a process that moves no bytes, use the :class:`BlockIndex` alone and
+hand its host block ids to the workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from asyncpin.errors import ConfigError, InvalidTransferError
+from asyncpin.manager import OffloadManager
+from asyncpin.tier.index import BlockEvent, BlockHash, BlockIndex, IndexStats, StorePlan
+from asyncpin.tier.policies import POLICY_NAMES
+from asyncpin.transfers import Method, Transfer, block_ids
+
+__all__ = [
+    "POLICY_NAMES",
+    "BlockEvent",
+    "BlockHash",
+    "BlockIndex",
+    "IndexStats",
+    "KVTier",
+    "StorePlan",
+    "TierStore",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TierStore:
+    """One ``KVTier.store``: the copy of the new blocks, and what the index decided
+    (``plan.present``: already there; ``plan.skipped``: no block could be freed)."""
+
+    transfer: Transfer
+    plan: StorePlan
+
+    @property
+    def skipped(self) -> tuple[BlockHash, ...]:
+        return self.plan.skipped
+
+
+class KVTier:
+    """Block hashes → the host blocks of ``manager`` (open, with a KV layout)."""
+
+    def __init__(self, manager: OffloadManager, *, policy: str = "lru") -> None:
+        layout = manager.kv_layout
+        if layout is None:
+            raise ConfigError("a KV tier needs a manager with a KV layout (OffloadManager.for_kv)")
+        self.manager = manager
+        self.index = BlockIndex(manager.num_host_blocks, policy=policy)
+        self._num_blocks = layout.num_blocks
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading hashes can be loaded now."""
+        return self.index.lookup(hashes)
+
+    def store(
+        self,
+        hashes: Sequence[BlockHash],
+        gpu_block_ids: Sequence[int] | torch.Tensor,
+        *,
+        method: Method = "auto",
+    ) -> TierStore:
+        """Store device block ``gpu_block_ids[i]`` under ``hashes[i]``: hashes already
+        present are skipped, new ones get host blocks (evicting the least valuable blocks
+        no copy uses), and become loadable once the copy is done. A failed copy leaves
+        nothing indexed. Bad input raises InvalidTransferError with nothing changed."""
+        gpu = self._ids(hashes, gpu_block_ids)
+        plan = self.index.begin_store(hashes)
+        try:
+            transfer = self.manager.store(
+                [gpu[i] for i in plan.positions], list(plan.host_blocks), method=method
+            )
+        except BaseException:
+            self.index.end_store(plan, ok=False)
+            raise
+        transfer.add_done_callback(lambda t: self.index.end_store(plan, ok=t.error is None))
+        return TierStore(transfer, plan)
+
+    def load(
+        self,
+        hashes: Sequence[BlockHash],
+        gpu_block_ids: Sequence[int] | torch.Tensor,
+        *,
+        method: Method = "auto",
+    ) -> Transfer:
+        """Load ``hashes`` (all loadable: see ``lookup``) into device blocks; they are kept
+        from eviction until the copy is done."""
+        gpu = self._ids(hashes, gpu_block_ids)
+        keys = list(hashes)
+        host = self.index.begin_load(keys)
+        try:
+            transfer = self.manager.load(host, gpu, method=method)
+        except BaseException:
+            self.index.end_load(keys, host)
+            raise
+        transfer.add_done_callback(lambda t: self.index.end_load(keys, host))
+        return transfer
+
+    def touch(self, hashes: Iterable[BlockHash]) -> None:
+        self.index.touch(hashes)
+
+    def remove(self, hashes: Iterable[BlockHash]) -> int:
+        return self.index.remove(hashes)
+
+    def clear(self) -> None:
+        self.index.clear()
+
+    def add_listener(self, listener: Callable[[BlockEvent], None]) -> None:
+        """Events of blocks stored and removed (see ``BlockIndex.add_listener``)."""
+        self.index.add_listener(listener)
+
+    def _ids(self, hashes: Sequence[BlockHash], gpu_block_ids: object) -> list[int]:
+        gpu = block_ids(gpu_block_ids, "gpu_block_ids", self._num_blocks)  # type: ignore[arg-type]
+        if len(gpu) != len(hashes):
+            raise InvalidTransferError(
+                f"{len(hashes)} hashes and {len(gpu)} gpu_block_ids: one device block a hash"
+            )
+        return gpu

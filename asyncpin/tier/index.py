@@ -1,0 +1,322 @@
+"""The block index: which host block holds the KV of which block hash.
+
+Keys are the engine's block hashes (ints or bytes: the chained prefix hashes engines
+already compute). Host blocks are ids ``0 .. num_host_blocks - 1`` of a manager's
+region, so the index needs neither a GPU nor torch: it can run in an engine's scheduler
+process and hand host block ids to the workers that move the bytes.
+
+Every call is synchronous and O(number of hashes) (an eviction may step over blocks a
+copy still uses). The life of a block:
+
+- ``begin_store(hashes)`` gives each new hash a host block (a free one, or one the
+  policy evicts); the block is *storing*: not loadable, not evictable. Hashes already
+  present are skipped, and so are the ones for which no block can be freed (every
+  block in use by a copy).
+- ``end_store(plan, ok)``: on success the blocks become *ready* (``lookup`` sees them);
+  on failure, or a cancelled copy, they are freed and nothing of them stays indexed.
+- ``begin_load(hashes)`` protects ready blocks from eviction until ``end_load``.
+- ``remove`` and ``clear`` drop hashes at once; a block a copy still uses is freed
+  when its last copy ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, TypeAlias, cast
+
+from asyncpin.errors import ConfigError, InvalidTransferError
+from asyncpin.tier.policies import EvictionPolicy, make_policy
+
+__all__ = ["BlockEvent", "BlockHash", "BlockIndex", "IndexStats", "StorePlan"]
+
+BlockHash: TypeAlias = int | bytes
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEvent:
+    """A block stored (now loadable) or removed (evicted, removed, cleared)."""
+
+    kind: Literal["stored", "removed"]
+    block_hash: BlockHash
+    host_block: int
+    tier: str = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    """What one ``begin_store`` decided: the hashes to copy and their host blocks (in the
+    order asked), the hashes already present, and those left out for want of room."""
+
+    hashes: tuple[BlockHash, ...]
+    host_blocks: tuple[int, ...]
+    #: Positions in the hashes asked for, of each hash to copy (to pick device blocks).
+    positions: tuple[int, ...]
+    present: tuple[BlockHash, ...]
+    skipped: tuple[BlockHash, ...]
+
+
+@dataclass(slots=True)
+class _Entry:
+    host_block: int
+    ready: bool = False
+    readers: int = 0  # loads in flight
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    lookups: int
+    hit_blocks: int
+    looked_up_blocks: int
+    stores: int
+    stored_blocks: int
+    skipped_blocks: int
+    failed_blocks: int
+    evicted_blocks: int
+    removed_blocks: int
+    resident_blocks: int
+    free_blocks: int
+
+
+@dataclass(slots=True)
+class _Counts:
+    lookups: int = 0
+    hit_blocks: int = 0
+    looked_up_blocks: int = 0
+    stores: int = 0
+    stored_blocks: int = 0
+    skipped_blocks: int = 0
+    failed_blocks: int = 0
+    evicted_blocks: int = 0
+    removed_blocks: int = 0
+
+
+class BlockIndex:
+    """Hashes → host blocks over ``num_host_blocks`` blocks, evicting by ``policy``
+    (``"lru"``, ``"arc"``, ``"s3fifo"``)."""
+
+    def __init__(self, num_host_blocks: int, *, policy: str = "lru") -> None:
+        if (
+            isinstance(num_host_blocks, bool)
+            or not isinstance(num_host_blocks, int)
+            or num_host_blocks < 1
+        ):
+            raise ConfigError(f"num_host_blocks must be an int >= 1, got {num_host_blocks!r}")
+        self.num_host_blocks = num_host_blocks
+        self._policy: EvictionPolicy = make_policy(policy, num_host_blocks)
+        self._entries: dict[BlockHash, _Entry] = {}
+        # Free host blocks, lowest first out (popped from the end).
+        self._free = list(range(num_host_blocks - 1, -1, -1))
+        # Host blocks dropped from the index whose copies are still running: users left.
+        self._draining: dict[int, int] = {}
+        self._listeners: list[Callable[[BlockEvent], None]] = []
+        self._counts = _Counts()
+
+    @property
+    def policy(self) -> str:
+        return self._policy.name
+
+    # -- queries --------------------------------------------------------------------------
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading hashes are present and loadable."""
+        n = 0
+        for h in hashes:
+            entry = self._entries.get(_checked(h))
+            if entry is None or not entry.ready:
+                break
+            n += 1
+        self._counts.lookups += 1
+        self._counts.looked_up_blocks += len(hashes)
+        self._counts.hit_blocks += n
+        return n
+
+    def host_block(self, block_hash: BlockHash) -> int | None:
+        """The host block of a loadable hash, or None."""
+        entry = self._entries.get(_checked(block_hash))
+        return entry.host_block if entry is not None and entry.ready else None
+
+    def __contains__(self, block_hash: object) -> bool:
+        if not isinstance(block_hash, int | bytes):
+            return False
+        entry = self._entries.get(block_hash)
+        return entry is not None and entry.ready
+
+    def __len__(self) -> int:
+        """Hashes present (loadable or being stored)."""
+        return len(self._entries)
+
+    def stats(self) -> IndexStats:
+        c = self._counts
+        return IndexStats(
+            lookups=c.lookups,
+            hit_blocks=c.hit_blocks,
+            looked_up_blocks=c.looked_up_blocks,
+            stores=c.stores,
+            stored_blocks=c.stored_blocks,
+            skipped_blocks=c.skipped_blocks,
+            failed_blocks=c.failed_blocks,
+            evicted_blocks=c.evicted_blocks,
+            removed_blocks=c.removed_blocks,
+            resident_blocks=sum(1 for e in self._entries.values() if e.ready),
+            free_blocks=len(self._free),
+        )
+
+    # -- events ---------------------------------------------------------------------------
+
+    def add_listener(self, listener: Callable[[BlockEvent], None]) -> None:
+        """Call ``listener(event)`` for each block stored and removed, synchronously, in
+        the call that caused it. It must be quick; an exception from it propagates."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[BlockEvent], None]) -> None:
+        self._listeners.remove(listener)
+
+    def _emit(self, kind: Literal["stored", "removed"], h: BlockHash, block: int) -> None:
+        if self._listeners:
+            event = BlockEvent(kind, h, block)
+            for listener in self._listeners:
+                listener(event)
+
+    # -- stores ---------------------------------------------------------------------------
+
+    def begin_store(self, hashes: Sequence[BlockHash]) -> StorePlan:
+        """Give each new hash a host block for a copy about to start; see the module
+        docstring. Nothing is loadable until ``end_store(plan, ok=True)``."""
+        checked = [_checked(h) for h in hashes]
+        todo: list[BlockHash] = []
+        blocks: list[int] = []
+        positions: list[int] = []
+        present: list[BlockHash] = []
+        skipped: list[BlockHash] = []
+        seen: set[BlockHash] = set()
+        for i, h in enumerate(checked):
+            if h in self._entries or h in seen:
+                present.append(h)
+                continue
+            block = self._allocate()
+            if block is None:
+                skipped.append(h)
+                continue
+            seen.add(h)
+            self._entries[h] = _Entry(block)
+            todo.append(h)
+            blocks.append(block)
+            positions.append(i)
+        self._counts.stores += 1
+        self._counts.skipped_blocks += len(skipped)
+        return StorePlan(
+            tuple(todo), tuple(blocks), tuple(positions), tuple(present), tuple(skipped)
+        )
+
+    def end_store(self, plan: StorePlan, *, ok: bool) -> None:
+        """The plan's copy is over: its blocks become loadable (``ok``), or are freed."""
+        for h, block in zip(plan.hashes, plan.host_blocks, strict=True):
+            entry = self._entries.get(h)
+            if entry is None or entry.host_block != block:
+                # Removed while its copy ran: the block drained with the copy.
+                self._release_user(block)
+                continue
+            if ok:
+                entry.ready = True
+                self._policy.insert(h)
+                self._counts.stored_blocks += 1
+                self._emit("stored", h, block)
+            else:
+                del self._entries[h]
+                self._free.append(block)
+                self._counts.failed_blocks += 1
+
+    def _allocate(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        victim = self._policy.evict(self._evictable)
+        if victim is None:
+            return None
+        key = cast(BlockHash, victim)
+        entry = self._entries.pop(key)
+        self._counts.evicted_blocks += 1
+        self._emit("removed", key, entry.host_block)
+        return entry.host_block
+
+    def _evictable(self, key: Hashable) -> bool:
+        entry = self._entries.get(cast(BlockHash, key))
+        return entry is not None and entry.ready and entry.readers == 0
+
+    # -- loads ----------------------------------------------------------------------------
+
+    def begin_load(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The host blocks of ``hashes``, all loadable, protected from eviction until
+        ``end_load``; a hit for the policy. InvalidTransferError (nothing protected) if one
+        is not loadable."""
+        entries = []
+        for h in hashes:
+            entry = self._entries.get(_checked(h))
+            if entry is None or not entry.ready:
+                raise InvalidTransferError(f"block hash {h!r} is not loadable (lookup first)")
+            entries.append((h, entry))
+        for h, entry in entries:
+            entry.readers += 1
+            self._policy.touch(h)
+        return [entry.host_block for _, entry in entries]
+
+    def end_load(self, hashes: Sequence[BlockHash], host_blocks: Sequence[int]) -> None:
+        """A load of ``begin_load(hashes)`` is over (done, failed or cancelled)."""
+        for h, block in zip(hashes, host_blocks, strict=True):
+            entry = self._entries.get(h)
+            if entry is not None and entry.host_block == block:
+                entry.readers -= 1
+            else:
+                self._release_user(block)
+
+    # -- bookkeeping ----------------------------------------------------------------------
+
+    def touch(self, hashes: Iterable[BlockHash]) -> None:
+        """Mark loadable hashes as used now (a hit for the policy); others are ignored."""
+        for h in hashes:
+            entry = self._entries.get(_checked(h))
+            if entry is not None and entry.ready:
+                self._policy.touch(h)
+
+    def remove(self, hashes: Iterable[BlockHash]) -> int:
+        """Drop hashes from the index now (absent ones are ignored); returns how many were
+        dropped. A block a copy still uses is freed when its last copy ends."""
+        n = 0
+        for h in hashes:
+            entry = self._entries.pop(_checked(h), None)
+            if entry is None:
+                continue
+            n += 1
+            self._drop(h, entry)
+        return n
+
+    def clear(self) -> None:
+        """Drop every hash (as ``remove``)."""
+        for h, entry in list(self._entries.items()):
+            del self._entries[h]
+            self._drop(h, entry)
+
+    def _drop(self, h: BlockHash, entry: _Entry) -> None:
+        users = entry.readers + (0 if entry.ready else 1)  # a store in flight is a user
+        if entry.ready:
+            self._policy.remove(h)
+            self._counts.removed_blocks += 1
+            self._emit("removed", h, entry.host_block)
+        if users:
+            self._draining[entry.host_block] = users
+        else:
+            self._free.append(entry.host_block)
+
+    def _release_user(self, block: int) -> None:
+        left = self._draining[block] - 1
+        if left:
+            self._draining[block] = left
+        else:
+            del self._draining[block]
+            self._free.append(block)
+
+
+def _checked(h: object) -> BlockHash:
+    if isinstance(h, bytes) or (isinstance(h, int) and not isinstance(h, bool)):
+        return h
+    raise InvalidTransferError(f"a block hash is an int or bytes, not {type(h).__name__}")

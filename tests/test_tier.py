@@ -1,0 +1,140 @@
+"""The KV tier over a manager (host engine; asyncio and trio): blocks stored under their
+hashes are found by lookup and loaded back byte for byte; a failed copy indexes nothing;
+a block a load is reading is never evicted; a store with no room says what it skipped."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from asyncpin import ConfigError, InvalidTransferError, KVLayout, OffloadManager
+from asyncpin.abc import EngineSetup
+from asyncpin.engines.host import HostTransferEngine
+from asyncpin.testing import FakeBackend, FakeEngine
+from asyncpin.tier import BlockEvent, KVTier
+from asyncpin.transfers import TransferJob
+
+pytestmark = pytest.mark.anyio
+
+TIMEOUT_S = 10
+BLOCKS = 16  # device blocks
+HOST_BLOCKS = 4
+
+
+def _layout() -> KVLayout:
+    """Two arrays of 16 blocks of 64 bytes, each block filled with its id."""
+    arrays = [torch.arange(BLOCKS, dtype=torch.uint8).repeat_interleave(64).view(BLOCKS, 64)]
+    arrays.append(arrays[0] + 100)
+    return KVLayout.from_tensors(arrays)
+
+
+def _tier(mgr: OffloadManager) -> KVTier:
+    return KVTier(mgr)
+
+
+async def test_stored_blocks_are_found_and_loaded_back() -> None:
+    layout = _layout()
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            tier = _tier(mgr)
+            chain = [11, 22, 33]
+            assert tier.lookup(chain) == 0
+            stored = tier.store(chain, [5, 6, 7])
+            await stored.transfer
+            assert stored.skipped == () and stored.plan.present == ()
+            assert tier.lookup([*chain, 44]) == 3
+            again = tier.store([11, 22, 44], [5, 6, 8])  # two present, one new
+            await again.transfer
+            assert again.plan.present == (11, 22) and again.plan.hashes == (44,)
+            for array in layout.arrays:
+                array.zero_()
+            await tier.load([22, 44], [0, 1])
+            assert bool((layout.arrays[0][0] == 6).all()) and bool((layout.arrays[0][1] == 8).all())
+            assert bool((layout.arrays[1][1] == 108).all())
+            stats = tier.index.stats()
+            assert (stats.stored_blocks, stats.resident_blocks) == (4, 4)
+
+
+class FailingEngine(HostTransferEngine):
+    def _copy(self, job: TransferJob) -> None:
+        raise RuntimeError("the copy failed")
+
+
+async def test_a_failed_store_leaves_nothing_indexed() -> None:
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(
+            _layout(), HOST_BLOCKS, backend=FakeBackend(), engine=FailingEngine
+        ) as mgr:
+            await mgr.pinned
+            tier = _tier(mgr)
+            stored = tier.store([1, 2], [3, 4])
+            with pytest.raises(Exception, match="the copy failed"):
+                await stored.transfer
+            assert tier.lookup([1]) == 0 and len(tier.index) == 0
+            assert tier.index.stats().free_blocks == HOST_BLOCKS
+
+
+async def test_a_block_being_loaded_is_never_evicted_and_a_full_store_says_what_it_skipped() -> (
+    None
+):
+    engines: list[FakeEngine] = []
+
+    def make(setup: EngineSetup) -> FakeEngine:
+        engine = FakeEngine(setup, copy=True)
+        engines.append(engine)
+        return engine
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(
+            _layout(), HOST_BLOCKS, backend=FakeBackend(), engine=make
+        ) as mgr:
+            await mgr.pinned
+            (engine,) = engines
+            tier = _tier(mgr)
+            events: list[BlockEvent] = []
+            tier.add_listener(events.append)
+            stored = tier.store([1, 2, 3, 4], [1, 2, 3, 4])
+            engine.finish_next("store")
+            await stored.transfer
+            load = tier.load([1, 2, 3, 4], [8, 9, 10, 11])  # held: every block protected
+            full = tier.store([5], [5])
+            assert full.skipped == (5,) and full.plan.hashes == ()
+            engine.finish_next("store")  # an empty copy, still a transfer of its own
+            await full.transfer
+            engine.finish_next("load")
+            await load
+            evicting = tier.store([5], [5])  # now the least recently used block goes
+            engine.finish_next("store")
+            await evicting.transfer
+            assert [(e.kind, e.block_hash) for e in events] == [
+                ("stored", 1),
+                ("stored", 2),
+                ("stored", 3),
+                ("stored", 4),
+                ("removed", 1),
+                ("stored", 5),
+            ]
+            assert tier.lookup([1]) == 0 and tier.lookup([2, 3, 4]) == 3 and 5 in tier.index
+
+
+async def test_bad_input_changes_nothing() -> None:
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(_layout(), HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            tier = _tier(mgr)
+            with pytest.raises(InvalidTransferError, match="one device block a hash"):
+                tier.store([1, 2], [3])
+            with pytest.raises(InvalidTransferError, match="outside"):
+                tier.store([1], [BLOCKS])
+            with pytest.raises(InvalidTransferError, match="int or bytes"):
+                tier.store(["a"], [1])  # type: ignore[list-item]
+            with pytest.raises(InvalidTransferError, match="not loadable"):
+                tier.load([9], [1])
+            assert len(tier.index) == 0 and tier.index.stats().free_blocks == HOST_BLOCKS
+
+
+def test_a_tier_needs_a_kv_layout() -> None:
+    with pytest.raises(ConfigError, match="KV layout"):
+        KVTier(OffloadManager(1 << 20, backend=FakeBackend()))
