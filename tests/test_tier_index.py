@@ -29,7 +29,7 @@ and checks that it was evictable.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -43,6 +43,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from structlog.testing import capture_logs
 
 from asyncpin.errors import InvalidTransferError
 from asyncpin.tier.index import BlockEvent, BlockHash, BlockIndex, IndexStats, StorePlan
@@ -111,8 +112,11 @@ class IndexMachine(RuleBasedStateMachine):
     def loadable(self) -> list[BlockHash]:
         return list(self.recency)
 
-    def evictable(self) -> list[BlockHash]:
-        return [h for h in self.recency if self.entries[h].readers == 0]
+    def evictable(self, keep: Iterable[BlockHash] = ()) -> list[BlockHash]:
+        """Hashes a store may evict: loadable, no load in flight, not named present by
+        the store itself (``keep``)."""
+        kept = set(keep)
+        return [h for h in self.recency if self.entries[h].readers == 0 and h not in kept]
 
     def copy_blocks(self) -> set[int]:
         """Blocks a copy in flight still writes or reads."""
@@ -166,6 +170,7 @@ class IndexMachine(RuleBasedStateMachine):
         forced: list[int | None] = []  # the victim's block, or None for a free block
         free = self.n - len(used_before)
         pending = iter(evictions)
+        kept = [h for h in hashes if h in self.entries]  # present before the call
         for i, h in enumerate(hashes):
             if h in self.entries or h in todo:
                 present.append(h)
@@ -174,7 +179,7 @@ class IndexMachine(RuleBasedStateMachine):
                 free -= 1
                 forced.append(None)
             else:
-                candidates = self.evictable()
+                candidates = self.evictable(kept)
                 if not candidates:
                     # (b) every ready hash has a load in flight, every other is storing.
                     left = list(pending)
@@ -465,7 +470,6 @@ def test_bad_hash_refused_with_nothing_changed(policy: str, bad: object) -> None
     assert plan.skipped == () and plan.hashes == (2, 3)
 
 
-@pytest.mark.xfail(strict=True, reason="remove/touch act on the hashes before a bad one")
 @pytest.mark.parametrize("call", ["remove", "touch"])
 def test_bad_hash_after_good_ones_changes_nothing(call: str) -> None:
     index, events = fresh(2)
@@ -478,14 +482,12 @@ def test_bad_hash_after_good_ones_changes_nothing(call: str) -> None:
     assert events == [("removed", 1, 0)]  # touch([1, "x"]) made 2 the least recent
 
 
-@pytest.mark.xfail(strict=True, reason="lookup stops at the first miss: a bad hash after it passes")
 def test_lookup_refuses_a_bad_hash_after_a_miss() -> None:
     index, _ = fresh(2)
     with pytest.raises(InvalidTransferError):
         index.lookup([7, "x"])  # type: ignore[list-item]
 
 
-@pytest.mark.xfail(strict=True, reason="__contains__ takes True for the hash 1 (True == 1)")
 def test_a_bool_is_not_in_the_index() -> None:
     index, _ = fresh(2)
     stored(index, [1, 0])
@@ -626,9 +628,6 @@ def test_events_in_order() -> None:
     assert all(e.tier == "cpu" for e in raw)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="begin_store evicts a hash it reports present in the same plan"
-)
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_a_store_does_not_evict_a_hash_it_reports_present(policy: str) -> None:
     index, _ = fresh(1, policy)
@@ -638,7 +637,6 @@ def test_a_store_does_not_evict_a_hash_it_reports_present(policy: str) -> None:
     assert 1 in index, f"plan says 1 is present, the same call evicted it: {plan}"
 
 
-@pytest.mark.xfail(strict=True, reason="a listener's exception leaks the evicted block")
 def test_a_raising_listener_leaks_no_block() -> None:
     index = BlockIndex(1)
     stored(index, [1])
@@ -647,8 +645,20 @@ def test_a_raising_listener_leaks_no_block() -> None:
         raise RuntimeError("listener")
 
     index.add_listener(refuse)
-    with pytest.raises(RuntimeError):
-        index.begin_store([2])
+    with capture_logs() as logs:
+        plan = index.begin_store([2])  # evicts 1: the listener's error is logged
+        index.end_store(plan, ok=True)
+    assert [e["event"] for e in logs] == ["tier.listener_failed"] * 2
     index.remove_listener(refuse)
     s = index.stats()
     assert s.free_blocks + len(index) == 1, s
+    assert 2 in index and 1 not in index
+
+
+def test_a_plan_ends_once() -> None:
+    index = BlockIndex(2)
+    plan = index.begin_store([1])
+    index.end_store(plan, ok=False)
+    with pytest.raises(RuntimeError, match="not under way"):
+        index.end_store(plan, ok=False)
+    assert index.stats().free_blocks == 2

@@ -25,12 +25,16 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias, cast
 
+import structlog
+
 from asyncpin.errors import ConfigError, InvalidTransferError
 from asyncpin.tier.policies import EvictionPolicy, make_policy
 
 __all__ = ["BlockEvent", "BlockHash", "BlockIndex", "IndexStats", "StorePlan"]
 
 BlockHash: TypeAlias = int | bytes
+
+_log = structlog.get_logger("asyncpin")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +114,11 @@ class BlockIndex:
         # Host blocks dropped from the index whose copies are still running: users left.
         self._draining: dict[int, int] = {}
         self._listeners: list[Callable[[BlockEvent], None]] = []
+        # Events of the call under way, given to listeners once the index is consistent.
+        self._events: list[BlockEvent] = []
+        # Hashes a store under way reported present: never its eviction victims.
+        self._keep: set[BlockHash] = set()
+        self._open_plans: set[int] = set()  # id() of the plans not ended yet
         self._counts = _Counts()
 
     @property
@@ -121,8 +130,8 @@ class BlockIndex:
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading hashes are present and loadable."""
         n = 0
-        for h in hashes:
-            entry = self._entries.get(_checked(h))
+        for h in _all_checked(hashes):
+            entry = self._entries.get(h)
             if entry is None or not entry.ready:
                 break
             n += 1
@@ -137,7 +146,7 @@ class BlockIndex:
         return entry.host_block if entry is not None and entry.ready else None
 
     def __contains__(self, block_hash: object) -> bool:
-        if not isinstance(block_hash, int | bytes):
+        if not isinstance(block_hash, int | bytes) or isinstance(block_hash, bool):
             return False
         entry = self._entries.get(block_hash)
         return entry is not None and entry.ready
@@ -165,8 +174,9 @@ class BlockIndex:
     # -- events ---------------------------------------------------------------------------
 
     def add_listener(self, listener: Callable[[BlockEvent], None]) -> None:
-        """Call ``listener(event)`` for each block stored and removed, synchronously, in
-        the call that caused it. It must be quick; an exception from it propagates."""
+        """Call ``listener(event)`` for each block stored and removed, synchronously, at
+        the end of the call that caused it. It must be quick; an exception from it is
+        logged (``tier.listener_failed``) and never reaches the index or the caller."""
         self._listeners.append(listener)
 
     def remove_listener(self, listener: Callable[[BlockEvent], None]) -> None:
@@ -174,43 +184,61 @@ class BlockIndex:
 
     def _emit(self, kind: Literal["stored", "removed"], h: BlockHash, block: int) -> None:
         if self._listeners:
-            event = BlockEvent(kind, h, block)
+            self._events.append(BlockEvent(kind, h, block))
+
+    def _flush(self) -> None:
+        """Hand the call's events to the listeners, once the index is consistent."""
+        events, self._events = self._events, []
+        for event in events:
             for listener in self._listeners:
-                listener(event)
+                try:
+                    listener(event)
+                except Exception as exc:
+                    _log.error("tier.listener_failed", listener=repr(listener), error=repr(exc))
 
     # -- stores ---------------------------------------------------------------------------
 
     def begin_store(self, hashes: Sequence[BlockHash]) -> StorePlan:
         """Give each new hash a host block for a copy about to start; see the module
-        docstring. Nothing is loadable until ``end_store(plan, ok=True)``."""
-        checked = [_checked(h) for h in hashes]
+        docstring. Nothing is loadable until ``end_store(plan, ok=True)``. A hash of the
+        call that is present already is never evicted to make room for another."""
+        checked = _all_checked(hashes)
         todo: list[BlockHash] = []
         blocks: list[int] = []
         positions: list[int] = []
         present: list[BlockHash] = []
         skipped: list[BlockHash] = []
-        seen: set[BlockHash] = set()
-        for i, h in enumerate(checked):
-            if h in self._entries or h in seen:
-                present.append(h)
-                continue
-            block = self._allocate()
-            if block is None:
-                skipped.append(h)
-                continue
-            seen.add(h)
-            self._entries[h] = _Entry(block)
-            todo.append(h)
-            blocks.append(block)
-            positions.append(i)
+        self._keep = {h for h in checked if h in self._entries}
+        try:
+            for i, h in enumerate(checked):
+                if h in self._entries:  # present, or earlier in this call
+                    present.append(h)
+                    continue
+                block = self._allocate()
+                if block is None:
+                    skipped.append(h)
+                    continue
+                self._entries[h] = _Entry(block)
+                todo.append(h)
+                blocks.append(block)
+                positions.append(i)
+        finally:
+            self._keep = set()
         self._counts.stores += 1
         self._counts.skipped_blocks += len(skipped)
-        return StorePlan(
+        plan = StorePlan(
             tuple(todo), tuple(blocks), tuple(positions), tuple(present), tuple(skipped)
         )
+        self._open_plans.add(id(plan))
+        self._flush()
+        return plan
 
     def end_store(self, plan: StorePlan, *, ok: bool) -> None:
-        """The plan's copy is over: its blocks become loadable (``ok``), or are freed."""
+        """The plan's copy is over: its blocks become loadable (``ok``), or are freed.
+        Once per plan (RuntimeError, nothing changed, for a plan already ended)."""
+        if id(plan) not in self._open_plans:
+            raise RuntimeError("end_store of a plan that is not under way (ended already?)")
+        self._open_plans.discard(id(plan))
         for h, block in zip(plan.hashes, plan.host_blocks, strict=True):
             entry = self._entries.get(h)
             if entry is None or entry.host_block != block:
@@ -226,6 +254,7 @@ class BlockIndex:
                 del self._entries[h]
                 self._free.append(block)
                 self._counts.failed_blocks += 1
+        self._flush()
 
     def _allocate(self) -> int | None:
         if self._free:
@@ -241,7 +270,9 @@ class BlockIndex:
 
     def _evictable(self, key: Hashable) -> bool:
         entry = self._entries.get(cast(BlockHash, key))
-        return entry is not None and entry.ready and entry.readers == 0
+        return (
+            entry is not None and entry.ready and entry.readers == 0 and key not in self._keep
+        )
 
     # -- loads ----------------------------------------------------------------------------
 
@@ -250,8 +281,8 @@ class BlockIndex:
         ``end_load``; a hit for the policy. InvalidTransferError (nothing protected) if one
         is not loadable."""
         entries = []
-        for h in hashes:
-            entry = self._entries.get(_checked(h))
+        for h in _all_checked(hashes):
+            entry = self._entries.get(h)
             if entry is None or not entry.ready:
                 raise InvalidTransferError(f"block hash {h!r} is not loadable (lookup first)")
             entries.append((h, entry))
@@ -273,8 +304,8 @@ class BlockIndex:
 
     def touch(self, hashes: Iterable[BlockHash]) -> None:
         """Mark loadable hashes as used now (a hit for the policy); others are ignored."""
-        for h in hashes:
-            entry = self._entries.get(_checked(h))
+        for h in _all_checked(hashes):
+            entry = self._entries.get(h)
             if entry is not None and entry.ready:
                 self._policy.touch(h)
 
@@ -282,12 +313,13 @@ class BlockIndex:
         """Drop hashes from the index now (absent ones are ignored); returns how many were
         dropped. A block a copy still uses is freed when its last copy ends."""
         n = 0
-        for h in hashes:
-            entry = self._entries.pop(_checked(h), None)
+        for h in _all_checked(hashes):
+            entry = self._entries.pop(h, None)
             if entry is None:
                 continue
             n += 1
             self._drop(h, entry)
+        self._flush()
         return n
 
     def clear(self) -> None:
@@ -295,6 +327,7 @@ class BlockIndex:
         for h, entry in list(self._entries.items()):
             del self._entries[h]
             self._drop(h, entry)
+        self._flush()
 
     def _drop(self, h: BlockHash, entry: _Entry) -> None:
         users = entry.readers + (0 if entry.ready else 1)  # a store in flight is a user
@@ -314,6 +347,11 @@ class BlockIndex:
         else:
             del self._draining[block]
             self._free.append(block)
+
+
+def _all_checked(hashes: Iterable[object]) -> list[BlockHash]:
+    """Every hash checked before any is used: a bad one changes nothing."""
+    return [_checked(h) for h in hashes]
 
 
 def _checked(h: object) -> BlockHash:
