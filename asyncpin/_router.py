@@ -8,11 +8,10 @@ only: it never looks into the pipeline itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import anyio
-import torch
 
 from asyncpin._config import UnpinnedPolicy
 from asyncpin.abc import TransferEngine
@@ -21,6 +20,7 @@ from asyncpin.errors import InvalidTransferError, TransferError
 from asyncpin.kv import KVLayout
 from asyncpin.region import HostRegion
 from asyncpin.transfers import (
+    BlockIds,
     Direction,
     Method,
     Transfer,
@@ -32,7 +32,7 @@ from asyncpin.transfers import (
 
 __all__ = ["TransferCounts", "TransferRouter"]
 
-Ids = Sequence[int] | torch.Tensor
+Ids = BlockIds
 
 
 class TransferCounts:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Literal
 
@@ -35,7 +35,7 @@ from asyncpin.kv import KVLayout
 from asyncpin.pinning import PinnedSignal
 from asyncpin.region import Backing, HugePages
 from asyncpin.stats import ManagerStats
-from asyncpin.transfers import Method, Transfer
+from asyncpin.transfers import BlockIds, Method, Transfer
 
 __all__ = ["ManagerState", "ManagerStats", "OffloadManager"]
 
@@ -318,8 +318,8 @@ class OffloadManager:
 
     def store(
         self,
-        gpu_block_ids: Sequence[int] | torch.Tensor,
-        cpu_block_ids: Sequence[int] | torch.Tensor,
+        gpu_block_ids: BlockIds,
+        cpu_block_ids: BlockIds,
         *,
         method: Method = "auto",
     ) -> Transfer:
@@ -332,8 +332,8 @@ class OffloadManager:
 
     def load(
         self,
-        cpu_block_ids: Sequence[int] | torch.Tensor,
-        gpu_block_ids: Sequence[int] | torch.Tensor,
+        cpu_block_ids: BlockIds,
+        gpu_block_ids: BlockIds,
         *,
         method: Method = "auto",
     ) -> Transfer:
@@ -344,8 +344,8 @@ class OffloadManager:
     def _submit(
         self,
         direction: Literal["store", "load"],
-        gpu_block_ids: Sequence[int] | torch.Tensor,
-        cpu_block_ids: Sequence[int] | torch.Tensor,
+        gpu_block_ids: BlockIds,
+        cpu_block_ids: BlockIds,
         method: Method,
     ) -> Transfer:
         self._life.check_open("the manager is closed to new transfers")
@@ -373,4 +373,3 @@ class OffloadManager:
             f"<OffloadManager #{self._id} {s.state} backend={s.backend} "
             f"pinned={s.pinned_bytes}/{s.nbytes} chunks={s.chunks_pinned}/{s.chunks_total}>"
         )
-

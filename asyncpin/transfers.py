@@ -8,10 +8,12 @@ touches, stays owned by the manager until the device work is done.
 
 from __future__ import annotations
 
+import numbers
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, SupportsIndex, cast
 
 import anyio
 import anyio.to_thread
@@ -22,7 +24,9 @@ from asyncpin.errors import InvalidTransferError
 from asyncpin.kv import KVLayout
 
 __all__ = [
+    "BlockIds",
     "Direction",
+    "IntArray",
     "Method",
     "Transfer",
     "TransferInterrupted",
@@ -157,6 +161,7 @@ async def copy_in_thread(
     """Run ``copy(job)`` in a worker thread, which returns once the copy is over, and
     finish the job: done; failed (the error through the handle, never lost); or
     interrupted, when the driving task is cancelled because the manager is closing."""
+
     def run() -> None:
         if job.reserve is not None:
             job.reserve()
@@ -185,8 +190,34 @@ def host_blocks_view(
     )
 
 
-def block_ids(ids: Sequence[int] | torch.Tensor, what: str, limit: int) -> list[int]:
-    """Validate a list of block ids: 1-D integers on the CPU, all in ``[0, limit)``.
+class IntArray(Protocol):
+    """What block ids may also be: a 1-D array of integers such as NumPy's."""
+
+    @property
+    def dtype(self) -> Any: ...
+
+    @property
+    def ndim(self) -> int: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def tolist(self) -> Any: ...
+
+
+#: Block ids: a sequence of ints (NumPy's integer scalars included), a CPU tensor, or a
+#: NumPy array of integers.
+BlockIds = Sequence[int] | Sequence[SupportsIndex] | torch.Tensor | IntArray
+
+
+def _is_array(ids: object) -> bool:
+    """A NumPy array (or anything shaped like one), without importing NumPy."""
+    return all(hasattr(ids, name) for name in ("dtype", "ndim", "shape", "tolist"))
+
+
+def block_ids(ids: BlockIds, what: str, limit: int) -> list[int]:
+    """Validate a list of block ids: 1-D integers on the CPU (a sequence of ints, a CPU
+    tensor or a NumPy array), all in ``[0, limit)``.
 
     Returns a copy as a plain list (the caller may reuse its buffer at once). Plain Python
     keeps a small transfer's submission to a few microseconds; a torch op on a CPU tensor
@@ -202,18 +233,26 @@ def block_ids(ids: Sequence[int] | torch.Tensor, what: str, limit: int) -> list[
         if ids.dim() != 1:
             raise InvalidTransferError(f"{what} must be 1-D, got shape {tuple(ids.shape)}")
         values: list[int] = ids.tolist()
+    elif _is_array(ids):
+        # A NumPy array (engines keep block tables in them): integer kinds only.
+        array = cast(IntArray, ids)
+        if getattr(array.dtype, "kind", "") not in ("i", "u"):
+            raise InvalidTransferError(f"{what} must be integers, got dtype {array.dtype}")
+        if array.ndim != 1:
+            raise InvalidTransferError(f"{what} must be 1-D, got shape {tuple(array.shape)}")
+        values = array.tolist()
     else:
         try:
-            values = list(ids)
+            values = list(cast(Sequence[int], ids))
         except TypeError:
             raise InvalidTransferError(f"{what} must be a sequence of ints or a tensor") from None
         # Exact ints take one pass over the types (a generator of isinstance calls costs
         # ~5x more: ~0.1 ms for 1024 ids); int subclasses other than bool are ints too.
         kinds = set(map(type, values))
-        if not kinds <= {int} and not all(
-            issubclass(k, int) and not issubclass(k, bool) for k in kinds
-        ):
-            raise InvalidTransferError(f"{what} must hold ints only")
+        if not kinds <= {int}:
+            if not all(issubclass(k, numbers.Integral) and not issubclass(k, bool) for k in kinds):
+                raise InvalidTransferError(f"{what} must hold ints only")
+            values = [operator.index(v) for v in values]  # NumPy's integer scalars, say
     if values:
         lo, hi = min(values), max(values)
         if lo < 0 or hi >= limit:

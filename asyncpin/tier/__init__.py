@@ -14,13 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from asyncpin.errors import ConfigError, InvalidTransferError
 from asyncpin.manager import OffloadManager
 from asyncpin.tier.index import BlockEvent, BlockHash, BlockIndex, IndexStats, StorePlan
 from asyncpin.tier.policies import POLICY_NAMES
-from asyncpin.transfers import Method, Transfer, block_ids
+from asyncpin.transfers import BlockIds, Method, Transfer, block_ids
 
 __all__ = [
     "POLICY_NAMES",
@@ -65,7 +63,7 @@ class KVTier:
     def store(
         self,
         hashes: Sequence[BlockHash],
-        gpu_block_ids: Sequence[int] | torch.Tensor,
+        gpu_block_ids: BlockIds,
         *,
         method: Method = "auto",
     ) -> TierStore:
@@ -88,7 +86,7 @@ class KVTier:
     def load(
         self,
         hashes: Sequence[BlockHash],
-        gpu_block_ids: Sequence[int] | torch.Tensor,
+        gpu_block_ids: BlockIds,
         *,
         method: Method = "auto",
     ) -> Transfer:
@@ -118,8 +116,8 @@ class KVTier:
         """Events of blocks stored and removed (see ``BlockIndex.add_listener``)."""
         self.index.add_listener(listener)
 
-    def _ids(self, hashes: Sequence[BlockHash], gpu_block_ids: object) -> list[int]:
-        gpu = block_ids(gpu_block_ids, "gpu_block_ids", self._num_blocks)  # type: ignore[arg-type]
+    def _ids(self, hashes: Sequence[BlockHash], gpu_block_ids: BlockIds) -> list[int]:
+        gpu = block_ids(gpu_block_ids, "gpu_block_ids", self._num_blocks)
         if len(gpu) != len(hashes):
             raise InvalidTransferError(
                 f"{len(hashes)} hashes and {len(gpu)} gpu_block_ids: one device block a hash"

@@ -1,0 +1,64 @@
+"""Block ids as engines keep them: NumPy arrays and NumPy integer scalars are taken like
+lists of ints (the same checks, the same copy); other dtypes and shapes are refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asyncpin import InvalidTransferError
+from asyncpin.transfers import block_ids
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint8, np.uint32, np.intp])
+def test_integer_arrays_are_ids(dtype: Any) -> None:
+    ids = np.array([3, 0, 7], dtype=dtype)
+    got = block_ids(ids, "gpu_block_ids", 8)
+    assert got == [3, 0, 7] and all(type(v) is int for v in got)
+    ids[0] = 5  # a copy: the caller may reuse its buffer at once
+    assert got[0] == 3
+
+
+def test_numpy_integer_scalars_in_a_list_are_ids() -> None:
+    got = block_ids([np.int64(2), np.uint16(1), 4], "cpu_block_ids", 5)
+    assert got == [2, 1, 4] and all(type(v) is int for v in got)
+
+
+@pytest.mark.parametrize(
+    ("ids", "match"),
+    [
+        (np.array([1.0, 2.0]), "must be integers, got dtype float64"),
+        (np.array([True, False]), "must be integers, got dtype bool"),
+        (np.zeros((2, 2), dtype=np.int64), "must be 1-D, got shape"),
+        (np.array([1, 8]), "holds 8, outside"),
+        (np.array([-1, 2]), "holds -1, outside"),
+        ([np.float64(1.0)], "must hold ints only"),
+        ([np.bool_(True)], "must hold ints only"),
+    ],
+)
+def test_other_arrays_are_refused(ids: Any, match: str) -> None:
+    with pytest.raises(InvalidTransferError, match=match):
+        block_ids(ids, "ids", 8)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_manager_takes_numpy_ids(anyio_backend: str) -> None:
+    import anyio
+    import torch
+
+    from asyncpin import KVLayout, OffloadManager
+    from asyncpin.testing import FakeBackend
+
+    array = torch.arange(8 * 16, dtype=torch.uint8).view(8, 16)
+    with anyio.fail_after(10):
+        async with OffloadManager.for_kv(
+            KVLayout.from_tensors([array]), 4, backend=FakeBackend()
+        ) as mgr:
+            await mgr.pinned
+            await mgr.store(np.array([5, 6], dtype=np.int32), np.array([0, 3]))
+            assert torch.equal(mgr.host_blocks()[3, 0], array[6])
+            await mgr.load(np.array([3], dtype=np.uint64), [np.int64(1)])
+            assert torch.equal(array[1], array[6])
