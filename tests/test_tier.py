@@ -138,3 +138,20 @@ async def test_bad_input_changes_nothing() -> None:
 def test_a_tier_needs_a_kv_layout() -> None:
     with pytest.raises(ConfigError, match="KV layout"):
         KVTier(OffloadManager(1 << 20, backend=FakeBackend()))
+
+
+async def test_events_as_an_async_iterator_and_a_slow_reader_loses_only_new_ones() -> None:
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(_layout(), HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            tier = _tier(mgr)
+            with tier.subscribe(max_buffer=2) as events:
+                await tier.store([1, 2, 3], [1, 2, 3]).transfer
+                got = [events.receive_nowait(), events.receive_nowait()]
+                assert [(e.kind, e.block_hash) for e in got] == [("stored", 1), ("stored", 2)]
+                assert tier.dropped_events == 1  # the third did not fit
+                tier.remove([1])
+                event = await events.receive()
+                assert (event.kind, event.block_hash) == ("removed", 1)
+            tier.remove([2])  # after the subscription: nobody listens, nothing dropped
+            assert tier.dropped_events == 1

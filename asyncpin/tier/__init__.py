@@ -11,8 +11,12 @@ hand its host block ids to the workers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from asyncpin.errors import ConfigError, InvalidTransferError
 from asyncpin.manager import OffloadManager
@@ -54,6 +58,8 @@ class KVTier:
             raise ConfigError("a KV tier needs a manager with a KV layout (OffloadManager.for_kv)")
         self.manager = manager
         self.index = BlockIndex(manager.num_host_blocks, policy=policy)
+        #: Events a subscriber's full buffer could not take.
+        self.dropped_events = 0
         self._num_blocks = layout.num_blocks
 
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
@@ -115,6 +121,30 @@ class KVTier:
     def add_listener(self, listener: Callable[[BlockEvent], None]) -> None:
         """Events of blocks stored and removed (see ``BlockIndex.add_listener``)."""
         self.index.add_listener(listener)
+
+    @contextmanager
+    def subscribe(
+        self, max_buffer: int = 1024
+    ) -> Iterator[MemoryObjectReceiveStream[BlockEvent]]:
+        """The events as an async iterator: ``with tier.subscribe() as events: async for
+        event in events: ...`` (from a task of its own, say). Up to ``max_buffer`` events
+        wait for the reader; past that, new ones are dropped and counted in
+        ``dropped_events``, so a slow reader never holds up the index. Leaving the block
+        ends the subscription."""
+        send, receive = anyio.create_memory_object_stream[BlockEvent](max_buffer)
+
+        def deliver(event: BlockEvent) -> None:
+            try:
+                send.send_nowait(event)
+            except (anyio.WouldBlock, anyio.BrokenResourceError):
+                self.dropped_events += 1
+
+        self.index.add_listener(deliver)
+        try:
+            with send, receive:
+                yield receive
+        finally:
+            self.index.remove_listener(deliver)
 
     def _ids(self, hashes: Sequence[BlockHash], gpu_block_ids: BlockIds) -> list[int]:
         gpu = block_ids(gpu_block_ids, "gpu_block_ids", self._num_blocks)
