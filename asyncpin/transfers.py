@@ -233,7 +233,7 @@ def block_ids(ids: BlockIds, what: str, limit: int) -> list[int]:
         if ids.dim() != 1:
             raise InvalidTransferError(f"{what} must be 1-D, got shape {tuple(ids.shape)}")
         values: list[int] = ids.tolist()
-    elif _is_array(ids):
+    elif not isinstance(ids, list | tuple) and _is_array(ids):  # lists: the hot path
         # A NumPy array (engines keep block tables in them): integer kinds only.
         array = cast(IntArray, ids)
         if getattr(array.dtype, "kind", "") not in ("i", "u"):

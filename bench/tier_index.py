@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,10 +22,11 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from asyncpin.tier import POLICY_NAMES, BlockIndex
+from bench._common import median
 
 
 def _median_us(samples: list[float]) -> float:
-    return statistics.median(samples) * 1e6
+    return median(samples) * 1e6
 
 
 def measure(blocks: int, policy: str, repeats: int, transfer_gbps: float) -> dict[str, object]:
