@@ -19,7 +19,7 @@ from asyncpin.abc import EngineFactory, EngineSetup, PinBackend, TransferEngine
 from asyncpin.kv import KVLayout
 from asyncpin.region import Chunk, HostRegion, round_to_pages
 from asyncpin.testing._engine_blocks import Blocks
-from asyncpin.transfers import Direction, Method, Transfer, TransferJob, host_blocks_view
+from asyncpin.transfers import Direction, Method, Transfer, TransferJob, host_bytes_view
 
 __all__ = ["BATCH", "EngineHarness"]
 
@@ -135,7 +135,7 @@ class EngineHarness:
         self.threads_before = set(threading.enumerate())
         setup = EngineSetup(
             layout,
-            host_blocks_view(region_bytes, layout, self.num_host),
+            host_bytes_view(region_bytes, layout, self.num_host),
             self.chunk_bytes,
             self._start_soon,
         )
