@@ -250,4 +250,6 @@ def check_arrays(arrays: object, num_arrays: int) -> None:
     if not arrays or arrays.step != 1:
         raise InvalidTransferError(f"arrays must be non-empty and consecutive, got {arrays}")
     if arrays.start < 0 or arrays.stop > num_arrays:
-        raise InvalidTransferError(f"arrays {arrays} is outside the layout's range(0, {num_arrays})")
+        raise InvalidTransferError(
+            f"arrays {arrays} is outside the layout's range(0, {num_arrays})"
+        )

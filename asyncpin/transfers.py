@@ -215,8 +215,7 @@ def host_blocks_view(host_bytes: torch.Tensor, layout: KVLayout) -> torch.Tensor
     inner = {array.stride()[1:] for array in layout.arrays}
     if len(inner) > 1:
         raise ConfigError(
-            "the KV arrays order their blocks' elements differently; view each with "
-            "host_array(a)"
+            "the KV arrays order their blocks' elements differently; view each with host_array(a)"
         )
     typed = host_bytes.view(-1).view(dtype)
     return typed.as_strided(

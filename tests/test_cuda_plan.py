@@ -33,7 +33,7 @@ def _plan(block: int, chunk: int, *, arrays: int = 1) -> AddressPlan:
     return AddressPlan(
         array_ptrs=[DEVICE + a * (1 << 30) for a in range(arrays)],
         array_strides=[2 * part + 8] * arrays,
-        block_bytes=part,
+        array_bytes=[part] * arrays,
         host_base=BASE,
         chunk_bytes=chunk,
     )
@@ -208,9 +208,10 @@ class TestSegments:
         rng = random.Random(arrays)
         gpu = [rng.randrange(100) for _ in range(9)]
         cpu = [rng.randrange(100) for _ in range(9)]
-        device, host = plan.segments(gpu, cpu, tensors=False)
-        device_t, host_t = plan.segments(gpu, cpu)
+        device, host, sizes = plan.segments(gpu, cpu, tensors=False)
+        device_t, host_t, sizes_t = plan.segments(gpu, cpu)
         assert device == device_t.tolist() and host == host_t.tolist()
+        assert sizes == sizes_t.tolist() == [64] * len(host)
         # Block by block, array by array, as the kernel and the host layout define them.
         stride = 2 * 64 + 8
         assert device[:arrays] == [DEVICE + a * (1 << 30) + gpu[0] * stride for a in range(arrays)]
@@ -220,7 +221,7 @@ class TestSegments:
         plan = _plan(96, 64, arrays=2)  # 48-byte segments, 64-byte chunks
         host, device, sizes = plan.small_segments([0, 1], [0, 1])
         ranges = list(zip(host, device, sizes, strict=True))
-        d, h = plan.segments([0, 1], [0, 1], tensors=False)
+        d, h, _ = plan.segments([0, 1], [0, 1], tensors=False)
         expected: dict[int, int] = {}
         for hh, dd in zip(h, d, strict=True):
             expected.update({hh + t: dd + t for t in range(48)})
@@ -242,9 +243,9 @@ class TestPackPieces:
         calls: list[int] = []
         real = plan.piece_dmas
 
-        def counted(cpu_ids: list[int], staging: int) -> Any:
+        def counted(cpu_ids: list[int], staging: int, arrays: range | None = None) -> Any:
             calls.append(len(cpu_ids))
-            return real(cpu_ids, staging)
+            return real(cpu_ids, staging, arrays)
 
         plan.piece_dmas = counted  # type: ignore[method-assign]
         pieces = plan.pack_pieces(list(range(10)), per_piece=4, halves=(STAGING, 0), first_half=0)
