@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 TIMEOUT_S = 300.0
 
-SCRIPTS = ["capture", "hit_rates", "pinning", "soak", "tier_index", "transfers"]
+SCRIPTS = ["capture", "hit_rates", "layerwise", "pinning", "soak", "tier_index", "transfers"]
 NEED_A_GPU = ["capture", "soak"]  # without --quick
 
 
