@@ -90,3 +90,51 @@ async def test_no_kernel_variant_is_compiled_after_open_for_any_range() -> None:
                     await mgr.store(gpu, cpu, method=method, arrays=arrays)
                     await mgr.load(cpu, gpu, method=method, arrays=arrays)
         assert len(compiled) == after_open
+
+
+@pytest.mark.parametrize("method", METHODS)
+async def test_tensor_parallel_ranks_share_host_blocks(method: Any, shm_name: str) -> None:
+    """Two ranks (their own KV arrays) over one shared region, ``host_slice=(rank, 2)``:
+    the same host block ids, each rank's part in place, by every method."""
+    layouts = [build("joined", BLOCKS, "cuda", seed=rank) for rank in range(2)]
+    kept = [[raw.clone() for raw in layout.byte_arrays()] for layout in layouts]
+    gpu, cpu = list(range(0, 80, 2)), list(range(40))
+    with anyio.fail_after(TIMEOUT_S):
+        async with (
+            OffloadManager.for_kv(
+                layouts[0],
+                HOST_BLOCKS,
+                backend="cuda",
+                backing="shared",
+                name=shm_name,
+                host_slice=(0, 2),
+            ) as first,
+            OffloadManager.attached(
+                shm_name,
+                backend="cuda",
+                kv_layout=layouts[1],
+                num_host_blocks=HOST_BLOCKS,
+                host_slice=(1, 2),
+            ) as second,
+        ):
+            managers = [first, second]
+            for mgr in managers:
+                await mgr.pinned
+            for mgr in managers:
+                await mgr.store(gpu, cpu, method=method)
+            hb = layouts[0].host_block_bytes
+            region = first.host_view()
+            for rank in range(2):
+                for g, c in zip(gpu, cpu, strict=True):
+                    part = region[(2 * c + rank) * hb :][:hb].cuda()
+                    assert torch.equal(part, torch.cat([raw[g] for raw in kept[rank]]))
+            del region
+            for layout in layouts:
+                for raw in layout.byte_arrays():
+                    raw.zero_()
+            dest = list(range(1, 81, 2))
+            for mgr in managers:
+                await mgr.load(cpu, dest, method=method)
+            for rank, layout in enumerate(layouts):
+                for a, raw in enumerate(layout.byte_arrays()):
+                    assert torch.equal(raw[dest], kept[rank][a][gpu])
