@@ -19,7 +19,7 @@ from asyncpin.errors import (
 from asyncpin.gate import capture_gate, install_capture_gate
 from asyncpin.kv import KVLayout
 from asyncpin.manager import ManagerState, OffloadManager
-from asyncpin.stats import ManagerStats
+from asyncpin.stats import ManagerStats, TierStats
 from asyncpin.transfers import Transfer
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "PinError",
     "PreflightError",
     "RegionNotFoundError",
+    "TierStats",
     "Transfer",
     "TransferError",
     "capture_gate",

@@ -20,6 +20,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from asyncpin.errors import ConfigError, InvalidTransferError
 from asyncpin.manager import OffloadManager
+from asyncpin.stats import TierStats
 from asyncpin.tier.index import BlockEvent, BlockHash, BlockIndex, IndexStats, StorePlan
 from asyncpin.tier.policies import POLICY_NAMES
 from asyncpin.transfers import BlockIds, Method, Transfer, block_ids
@@ -32,6 +33,7 @@ __all__ = [
     "IndexStats",
     "KVTier",
     "StorePlan",
+    "TierStats",
     "TierStore",
 ]
 
@@ -145,6 +147,16 @@ class KVTier:
                 yield receive
         finally:
             self.index.remove_listener(deliver)
+
+    def stats(self) -> TierStats:
+        """The index's counters, the bytes its resident blocks hold, the policy and
+        ``dropped_events``: a frozen snapshot, O(1) (``TierCollector`` exports it)."""
+        layout = self.manager.kv_layout
+        return TierStats.from_index(
+            self.index,
+            host_block_bytes=layout.host_block_bytes if layout is not None else None,
+            dropped_events=self.dropped_events,
+        )
 
     def _ids(self, hashes: Sequence[BlockHash], gpu_block_ids: BlockIds) -> list[int]:
         gpu = block_ids(gpu_block_ids, "gpu_block_ids", self._num_blocks)
