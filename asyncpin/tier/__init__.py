@@ -7,6 +7,10 @@ copies are the manager's :class:`~asyncpin.Transfer` handles; the bookkeeping is
 synchronous and O(number of hashes), safe to call from an engine's scheduler step.
 Without a GPU or in a process that moves no bytes, use the :class:`BlockIndex` alone and
 hand its host block ids to the workers.
+
+Importing this package imports no torch (the manager and the transfers are imported for
+type checking only, ``block_ids`` by the call that checks device block ids), so
+``asyncpin.tier.index`` runs in a process that cannot import it.
 """
 
 from __future__ import annotations
@@ -14,17 +18,19 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from asyncpin._router import check_arrays
 from asyncpin.errors import ConfigError, InvalidTransferError
-from asyncpin.manager import OffloadManager
+from asyncpin.stats import TierStats
 from asyncpin.tier.index import BlockEvent, BlockHash, BlockIndex, IndexStats, StorePlan
 from asyncpin.tier.policies import POLICY_NAMES
-from asyncpin.transfers import BlockIds, Method, Transfer, block_ids
+
+if TYPE_CHECKING:  # torch: a process with the index alone never imports it
+    from asyncpin.manager import OffloadManager
+    from asyncpin.transfers import BlockIds, Method, Transfer
 
 __all__ = [
     "POLICY_NAMES",
@@ -35,6 +41,7 @@ __all__ = [
     "KVTier",
     "LayerLoad",
     "StorePlan",
+    "TierStats",
     "TierStore",
 ]
 
@@ -154,6 +161,8 @@ class KVTier:
         default ``layout.tensor_arrays``: one group per tensor the layout was made from,
         a layer's K and V say), queued in order. The blocks are kept from eviction until
         every group is done. Bad input raises InvalidTransferError, nothing queued."""
+        from asyncpin._router import check_arrays  # torch: see the module docstring
+
         layout = self.manager.kv_layout
         assert layout is not None
         if groups is None:
@@ -221,7 +230,19 @@ class KVTier:
         finally:
             self.index.remove_listener(deliver)
 
+    def stats(self) -> TierStats:
+        """The index's counters, the bytes its resident blocks hold, the policy and
+        ``dropped_events``: a frozen snapshot, O(1) (``TierCollector`` exports it)."""
+        layout = self.manager.kv_layout
+        return TierStats.from_index(
+            self.index,
+            host_block_bytes=layout.host_block_bytes if layout is not None else None,
+            dropped_events=self.dropped_events,
+        )
+
     def _ids(self, hashes: Sequence[BlockHash], gpu_block_ids: BlockIds) -> list[int]:
+        from asyncpin.transfers import block_ids  # torch: see the module docstring
+
         gpu = block_ids(gpu_block_ids, "gpu_block_ids", self._num_blocks)
         if len(gpu) != len(hashes):
             raise InvalidTransferError(
