@@ -138,3 +138,32 @@ async def test_tensor_parallel_ranks_share_host_blocks(method: Any, shm_name: st
             for rank, layout in enumerate(layouts):
                 for a, raw in enumerate(layout.byte_arrays()):
                     assert torch.equal(raw[dest], kept[rank][a][gpu])
+
+
+async def test_layer_stores_wait_for_the_compute_that_writes_each_layer() -> None:
+    """Prefill writes layer i on the compute stream, then queues group i's store: each
+    copy waits for that work (the caller's stream at submission), never reading a layer
+    before it is written."""
+    layers, blocks = 8, 64
+    kv = [
+        torch.zeros(2, blocks, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+        for _ in range(layers)
+    ]
+    layout = KVLayout.from_tensors(kv, block_dim=1)
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, blocks, backend="cuda") as mgr:
+            await mgr.pinned
+            tier = KVTier(mgr)
+            compute = torch.cuda.Stream()
+            ids = list(range(32))
+            store = tier.store_layers(list(range(500, 532)), ids)
+            with torch.cuda.stream(compute):
+                for i, t in enumerate(kv):
+                    torch.cuda._sleep(2_000_000)  # a slow layer: the copy must wait for it
+                    t[:, :32].fill_(i + 1)
+                    store.store_group(i)
+            await store
+            assert tier.lookup(list(range(500, 532))) == 32
+            host = mgr.host_blocks()
+            for i in range(layers):
+                assert bool((host[list(store.plan.host_blocks), 2 * i : 2 * i + 2] == i + 1).all())
