@@ -11,7 +11,8 @@ hands host block ids to workers whose managers move the bytes.
   imported, keeps the index and its metrics, and ends each plan on the worker's report,
   or as failed when the worker dies. The test then reads every block the scheduler says
   is resident, through its own mapping.
-- README-wiring.md's examples run as written (TestReadmeWiring).
+- README.md's wiring examples run as written, the scheduler's parts without torch
+  (TestReadmeWiring).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from tests.tier_worker_child import (
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "tier_worker_child.py"
 SCHEDULER = REPO / "tests" / "tier_scheduler_child.py"
-WIRING = REPO / "README-wiring.md"
+README = REPO / "README.md"
 HOST_BLOCKS = 4
 
 # Runs a script, or code, where torch cannot be imported (as in a scheduler process
@@ -461,19 +462,26 @@ class TestProcesses:
                 )
 
 
-# -- README-wiring.md --------------------------------------------------------------------
+# -- README.md: wiring the tier --------------------------------------------------------------------
 
 _FENCE = re.compile(r"^```python\n(.*?)^```\n", re.S | re.M)
 WORKER_SIDE = "# -- worker side"
 
 
 def wiring_blocks() -> list[str]:
-    return _FENCE.findall(WIRING.read_text())
+    """README.md's wiring example (the block with the worker side) and the block of a
+    bare index's metrics."""
+    found = _FENCE.findall(README.read_text())
+    return [
+        next(b for b in found if WORKER_SIDE in b),
+        next(b for b in found if "TierCollector(index" in b),
+    ]
 
 
 class TestReadmeWiring:
-    """README-wiring.md's Python blocks: 1, the scheduler and a simulated worker; 2, the
-    tier metrics of a bare index."""
+    """README.md's wiring blocks ("Wiring the tier into an engine", "Tier metrics"): 1,
+    the scheduler and a simulated worker; 2, the tier metrics of a bare index, where torch
+    cannot be imported."""
 
     def test_there_are_the_two_blocks(self) -> None:
         blocks = wiring_blocks()
@@ -485,7 +493,7 @@ class TestReadmeWiring:
         code = wiring_blocks()[n]
         # The metrics block is the scheduler's: it runs where torch cannot be imported.
         result = run_python(code, blocked=n == 1)
-        assert result.returncode == 0, f"README-wiring.md block {n + 1}:\n{result.stderr}"
+        assert result.returncode == 0, f"README.md wiring block {n + 1}:\n{result.stderr}"
         assert "Traceback" not in result.stderr, result.stderr
         if n == 0:
             assert "request 2: 3 of 4 blocks loaded from the host" in result.stdout
