@@ -148,12 +148,15 @@ class TransferRouter:
                 f"{'cpu' if direction == 'store' else 'gpu'}_block_ids has duplicate "
                 "destinations: the result would depend on copy order"
             )
+        self.check_method(method)
+        transfer = Transfer(direction, len(gpu), len(gpu) * nbytes)
+        return TransferJob(transfer, gpu, cpu, method, arrays, on_finish=_settle)
+
+    def check_method(self, method: object) -> None:
         if method != "auto" and method not in self.engine.methods():
             raise InvalidTransferError(
                 f"method {method!r} is not available here; use one of {self.engine.methods()}"
             )
-        transfer = Transfer(direction, len(gpu), len(gpu) * nbytes)
-        return TransferJob(transfer, gpu, cpu, method, arrays, on_finish=_settle)
 
     def _track(self, transfer: Transfer) -> None:
         if transfer.direction == "store":

@@ -20,6 +20,8 @@ host block moves as one large DMA.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -96,12 +98,24 @@ class KVLayout:
         return [byte_blocks(array) for array in self.arrays]
 
     def description(self) -> dict[str, object]:
-        """What the bytes of a host block mean (recorded in a shared region's header)."""
+        """What the bytes of a host block mean, recorded in a shared region's header (a
+        page, whatever the number of arrays): the most telling figures, then a digest of
+        every array's block shape, dtype and element order."""
+        arrays = [
+            (
+                list(shape),
+                str(dtype),
+                [st if n > 1 else 0 for n, st in zip(shape, array.stride()[1:], strict=True)],
+            )
+            for shape, dtype, array in zip(
+                self.array_shapes, self.array_dtypes, self.arrays, strict=True
+            )
+        ]
+        digest = hashlib.sha256(json.dumps(arrays).encode()).hexdigest()[:32]
         return {
             "num_arrays": self.num_arrays,
-            "block_shapes": [list(s) for s in self.array_shapes],
-            "dtypes": [str(d) for d in self.array_dtypes],
             "host_block_bytes": self.host_block_bytes,
+            "arrays": digest,
         }
 
     @classmethod
@@ -113,11 +127,14 @@ class KVLayout:
             tensors = [tensors]
         if not tensors:
             raise ConfigError("a KV layout needs at least one tensor")
+        if isinstance(block_dim, bool) or not isinstance(block_dim, int):
+            raise ConfigError(f"block_dim must be an int, not {type(block_dim).__name__}")
         arrays: list[torch.Tensor] = []
         groups: list[range] = []
         for n, tensor in enumerate(tensors):
             if not isinstance(tensor, torch.Tensor):
                 raise ConfigError(f"tensor {n} is a {type(tensor).__name__}, not a torch.Tensor")
+            _check_plain(tensor, n)
             if not 0 <= block_dim < tensor.dim():
                 raise ConfigError(
                     f"block_dim={block_dim} is out of range for tensor {n} of shape "
@@ -145,6 +162,7 @@ class KVLayout:
                     "apart from every other block's"
                 )
         sizes = [array[0].numel() * array.dtype.itemsize for array in arrays]
+        _check_apart(arrays, sizes)
         offsets = [sum(sizes[:a]) for a in range(len(sizes))]
         return cls(
             arrays=tuple(arrays),
@@ -157,6 +175,49 @@ class KVLayout:
             host_block_bytes=sum(sizes),
             tensor_arrays=tuple(groups),
         )
+
+
+def _check_plain(tensor: torch.Tensor, n: int) -> None:
+    """A strided tensor whose bytes are its values: not sparse, nested, quantized (the
+    scales are not in the blocks) or a lazy conjugate or negative view."""
+    why = None
+    if tensor.is_nested:
+        why = "a nested tensor"
+    elif tensor.layout != torch.strided:
+        why = f"a {tensor.layout} tensor"
+    elif tensor.is_quantized:
+        why = "a quantized tensor (its scales are not in its blocks): pass its int_repr()"
+    elif tensor.is_conj() or tensor.is_neg():
+        why = "a lazy conjugate or negative view: resolve it first"
+    if why is not None:
+        raise ConfigError(f"tensor {n} is {why}; KV arrays are strided tensors of plain values")
+
+
+def _check_apart(arrays: list[torch.Tensor], sizes: list[int]) -> None:
+    """No block of one array overlaps a block of another unless the two arrays are the
+    same memory (a cache shared between layers): a load into one would otherwise write
+    another array's blocks. Arrays are compared by their blocks' byte ranges, block ``g``
+    at ``ptr + g * stride``: apart when their extents are, or, with one stride, when their
+    blocks sit at offsets that never meet modulo the stride."""
+    spans = []
+    for array, size in zip(arrays, sizes, strict=True):
+        ptr = array.data_ptr()
+        stride = array.stride(0) * array.dtype.itemsize
+        end = ptr + (array.shape[0] - 1) * stride + size
+        spans.append((array.untyped_storage().data_ptr(), ptr, stride, size, end))
+    for i, (store_a, a, sa, za, ea) in enumerate(spans):
+        for j in range(i):
+            store_b, b, sb, zb, eb = spans[j]
+            if store_a != store_b or ea <= b or eb <= a or (a, sa, za) == (b, sb, zb):
+                continue
+            if sa == sb and sa >= za and sa >= zb and len(arrays[i]) > 1:
+                d = (b - a) % sa
+                if d >= za and d + zb <= sa:
+                    continue
+            raise ConfigError(
+                f"KV arrays {j} and {i} overlap in memory: a block of one holds bytes of a "
+                "block of the other"
+            )
 
 
 def is_dense(block: torch.Tensor) -> bool:

@@ -24,6 +24,7 @@ from asyncpin._config import (
 )
 from asyncpin._lifecycle import Lifecycle, ManagerState
 from asyncpin._opened import Opened, no_stats_fields
+from asyncpin._router import TransferRouter
 from asyncpin._tasks import OwnedTasks
 from asyncpin.abc import EngineFactory, PinBackend, TransferEngine
 from asyncpin.backends import resolve_backend
@@ -393,12 +394,22 @@ class OffloadManager:
         method: Method,
         arrays: range | None,
     ) -> Transfer:
+        return self._router(direction).submit(
+            direction, gpu_block_ids, cpu_block_ids, method, arrays
+        )
+
+    def _router(self, direction: Literal["store", "load"]) -> TransferRouter:
         self._life.check_open("the manager is closed to new transfers")
         self._life.check_loop_thread(direction)
         router = self._opened.router if self._opened is not None else None
         if router is None:
             raise ConfigError("this manager has no KV layout (use OffloadManager.for_kv)")
-        return router.submit(direction, gpu_block_ids, cpu_block_ids, method, arrays)
+        return router
+
+    def _check_submit(self, direction: Literal["store", "load"], method: Method) -> None:
+        """What ``store`` and ``load`` check before the ids (open, this thread, a KV
+        layout, the method), for a caller that must know before it changes anything."""
+        self._router(direction).check_method(method)
 
     @property
     def _engine(self) -> TransferEngine | None:

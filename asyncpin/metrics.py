@@ -69,6 +69,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from asyncpin.errors import ConfigError
 from asyncpin.stats import TierStats
 from asyncpin.tier.index import BlockIndex
 
@@ -263,17 +264,21 @@ class TierCollector(Collector):
     """
 
     def __init__(self, tier: KVTier | BlockIndex, *, host_block_bytes: int | None = None) -> None:
+        from asyncpin.tier import KVTier  # no torch: see asyncpin.tier
+
         if isinstance(tier, BlockIndex):
             if host_block_bytes is not None and (
                 isinstance(host_block_bytes, bool)
                 or not isinstance(host_block_bytes, int)
                 or host_block_bytes < 1
             ):
-                raise ValueError(
+                raise ConfigError(
                     f"host_block_bytes must be an int >= 1 or None, got {host_block_bytes!r}"
                 )
+        elif not isinstance(tier, KVTier):
+            raise ConfigError(f"a TierCollector reads a KVTier or a BlockIndex, not {tier!r}")
         elif host_block_bytes is not None:
-            raise ValueError("host_block_bytes is for a bare BlockIndex: a KVTier knows its own")
+            raise ConfigError("host_block_bytes is for a bare BlockIndex: a KVTier knows its own")
         self._source = tier
         self._host_block_bytes = host_block_bytes
 
@@ -283,6 +288,11 @@ class TierCollector(Collector):
         if isinstance(source, BlockIndex):
             return TierStats.from_index(source, host_block_bytes=self._host_block_bytes)
         return source.stats()
+
+    def describe(self) -> Iterator[Metric]:
+        """The metrics' names, so that a registry refuses a second collector of them
+        (two tiers on one registry would export the same names twice)."""
+        return self.collect()
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats()

@@ -387,15 +387,21 @@ def _open_own(name: str, flags: int) -> tuple[int, os.stat_result, RegionHeader]
 def _check_layout(name: str, recorded: dict[str, Any], expected: dict[str, Any]) -> None:
     # The most telling difference first; an attacher may use fewer host blocks (the size
     # check covers that).
-    for key in ("num_arrays", "dtypes", "block_shapes", "host_block_bytes", "ranks"):
+    for key in ("num_arrays", "host_block_bytes", "ranks", "arrays"):
         if key not in expected:
             continue
         if key not in recorded:
             raise ConfigError(f"shared region {name!r} does not record its KV blocks' {key}")
         if recorded[key] != expected[key]:
+            what = (
+                "arrays whose block shapes, dtypes or element order differ (a digest "
+                f"{recorded[key]!r}, not {expected[key]!r})"
+                if key == "arrays"
+                else f"{key}={recorded[key]!r}, not {expected[key]!r}"
+            )
             raise ConfigError(
-                f"shared region {name!r} holds KV blocks with {key}={recorded[key]!r}, "
-                f"not {expected[key]!r}: the creator's KV layout differs from this one"
+                f"shared region {name!r} holds KV blocks with {what}: the creator's KV "
+                "layout differs from this one"
             )
 
 

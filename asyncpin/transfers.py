@@ -295,6 +295,8 @@ def block_ids(ids: BlockIds, what: str, limit: int) -> list[int]:
                 f"{what} must be on the CPU (got a tensor on {ids.device}): reading ids from "
                 "a device would make every transfer wait for it"
             )
+        if ids.layout != torch.strided:
+            raise InvalidTransferError(f"{what} must be a dense tensor, not {ids.layout}")
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise InvalidTransferError(f"{what} must be integers, got dtype {ids.dtype}")
         if ids.dim() != 1:
@@ -309,6 +311,11 @@ def block_ids(ids: BlockIds, what: str, limit: int) -> list[int]:
             raise InvalidTransferError(f"{what} must be 1-D, got shape {tuple(array.shape)}")
         values = array.tolist()
     else:
+        if isinstance(ids, set | frozenset | dict | str | bytes | bytearray | memoryview):
+            # Unordered (ids pair by position), or bytes rather than ids.
+            raise InvalidTransferError(
+                f"{what} must be a sequence of ints, not a {type(ids).__name__}"
+            )
         try:
             values = list(cast(Sequence[int], ids))
         except TypeError:

@@ -5,11 +5,13 @@ range of arrays moves alone. Bad ranges are refused with nothing enqueued."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 import torch
 
-from asyncpin import ConfigError, InvalidTransferError, OffloadManager, TransferError
+from asyncpin import ConfigError, InvalidTransferError, KVLayout, OffloadManager, TransferError
 from asyncpin.abc import EngineSetup
 from asyncpin.engines.host import HostTransferEngine
 from asyncpin.testing import FakeBackend
@@ -275,6 +277,60 @@ class TestLayerStores:
                 await store.store_group(0)
                 await store
                 assert tier.lookup([1]) == 1
-                again = tier.store_layers([1], [0])  # present: nothing to copy, over at once
-                assert again.plan.present == (1,)
+                again = tier.store_layers([1], [0])  # present: nothing to copy
+                assert again.plan.present == (1,) and again.plan.hashes == ()
+                for i in range(2):  # the prefill loop runs as ever: each group copies none
+                    empty = again.store_group(i)
+                    await empty
+                    assert empty.num_blocks == 0
                 await again
+                fresh = tier.store_layers([2], [1])
+                for bad_index in (True, 1.0, None, "0"):
+                    with pytest.raises(InvalidTransferError, match="group"):
+                        fresh.store_group(bad_index)  # type: ignore[arg-type]
+                fresh.abort()
+                await fresh
+                assert tier.lookup([2]) == 0
+
+
+class TestRefusedLayouts:
+    """Tensors whose bytes are not their values, and arrays that overlap, are refused."""
+
+    @pytest.mark.parametrize(
+        ("make", "words"),
+        [
+            (lambda: torch.ones(4, 8).to_sparse_csr(), "sparse_csr"),
+            (lambda: torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(2, 3)]), "nested"),
+            (
+                lambda: torch.quantize_per_tensor(torch.ones(4, 8), 0.1, 0, torch.qint8),
+                "quantized",
+            ),
+            (lambda: torch.ones(4, 8, dtype=torch.complex64).conj(), "conjugate"),
+        ],
+        ids=["sparse", "nested", "quantized", "conj"],
+    )
+    @pytest.mark.filterwarnings("ignore::UserWarning")  # torch's beta and deprecation notes
+    def test_tensors_whose_bytes_are_not_their_values(self, make: Any, words: str) -> None:
+        with pytest.raises(ConfigError, match=words):
+            KVLayout.from_tensors([make()])
+
+    @pytest.mark.parametrize("block_dim", [True, 1.0, "0"])
+    def test_block_dim_is_an_int(self, block_dim: object) -> None:
+        with pytest.raises(ConfigError, match="block_dim"):
+            KVLayout.from_tensors([torch.ones(2, 4, 8)], block_dim=block_dim)  # type: ignore[arg-type]
+
+    def test_arrays_whose_blocks_overlap_are_refused(self) -> None:
+        y = torch.zeros(9, 4)
+        with pytest.raises(ConfigError, match="overlap"):
+            KVLayout.from_tensors([y[:8], y[1:]])  # block g of one is block g+1 of the other
+        base = torch.zeros(8, 6)
+        with pytest.raises(ConfigError, match="overlap"):
+            KVLayout.from_tensors([base[:, :4], base[:, 2:]])  # half of each block shared
+
+    def test_arrays_side_by_side_or_the_same_memory_are_taken(self) -> None:
+        major = torch.zeros(8, 2, 4)  # block-major: K and V of a block side by side
+        assert KVLayout.from_tensors([major[:, 0], major[:, 1]]).num_arrays == 2
+        shared = torch.zeros(8, 4)  # one cache two layers share
+        assert KVLayout.from_tensors([shared, shared]).num_arrays == 2
+        joined = torch.zeros(2, 8, 4)  # vLLM's [2, blocks, ...]: K, then V
+        assert KVLayout.from_tensors([joined], block_dim=1).num_arrays == 2

@@ -122,3 +122,40 @@ def test_a_bad_slice_is_refused(host_slice: object) -> None:
 def test_a_slice_needs_a_kv_layout() -> None:
     with pytest.raises(ConfigError, match="host_slice"):
         OffloadManager(1 << 20, host_slice=(0, 2))
+
+
+async def test_a_region_of_a_large_model_records_its_layout_in_its_header(shm_name: str) -> None:
+    """80 layers of K and V (160 arrays, a 70B model's per-layer tensors, meta-free): the
+    layout's record fits the region's one-page header whatever the number of arrays."""
+    layers = [torch.zeros(2, 4, 2, 1, 8, dtype=torch.bfloat16) for _ in range(80)]
+    layout = KVLayout.from_tensors(layers, block_dim=1)
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(
+            layout, 2, backend="host", backing="shared", name=shm_name, host_slice=(0, 8)
+        ) as mgr:
+            await mgr.pinned
+            async with OffloadManager.attached(
+                shm_name, backend="host", kv_layout=layout, num_host_blocks=2, host_slice=(7, 8)
+            ) as other:
+                await other.pinned
+
+
+async def test_an_attacher_whose_blocks_order_their_elements_otherwise_is_refused(
+    shm_name: str,
+) -> None:
+    """Same shapes, dtypes and sizes, but NHD against HND memory: the bytes would load as
+    other values, so the attacher is refused (ConfigError naming the element order)."""
+    nhd = KVLayout.from_tensors([torch.zeros(8, 4, 3)])
+    hnd = KVLayout.from_tensors([torch.zeros(8, 3, 4).permute(0, 2, 1)])
+    assert nhd.array_shapes == hnd.array_shapes and nhd.host_block_bytes == hnd.host_block_bytes
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(
+            nhd, 4, backend="host", backing="shared", name=shm_name
+        ) as mgr:
+            await mgr.pinned
+            other = OffloadManager.attached(
+                shm_name, backend="host", kv_layout=hnd, num_host_blocks=4
+            )
+            with pytest.raises(ConfigError, match="element order"):
+                async with other:
+                    pass

@@ -155,3 +155,64 @@ async def test_events_as_an_async_iterator_and_a_slow_reader_loses_only_new_ones
                 assert (event.kind, event.block_hash) == ("removed", 1)
             tier.remove([2])  # after the subscription: nobody listens, nothing dropped
             assert tier.dropped_events == 1
+
+
+async def test_a_refused_call_evicts_nothing_and_touches_nothing() -> None:
+    """Everything the manager would refuse (the method, duplicate destinations, another
+    thread) is checked before the index changes: a full tier keeps its blocks and their
+    order."""
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(_layout(), HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            tier = _tier(mgr)
+            await tier.store([1, 2, 3, 4], [1, 2, 3, 4]).transfer  # full; 1 is the LRU
+            before = tier.stats()
+            with pytest.raises(InvalidTransferError, match="method"):
+                tier.store([5], [5], method="bogus")  # type: ignore[arg-type]
+            with pytest.raises(InvalidTransferError, match="method"):
+                tier.store_layers([5], [5], method="bogus")  # type: ignore[arg-type]
+            with pytest.raises(InvalidTransferError, match="duplicate"):
+                tier.load([1, 2], [7, 7])
+            with pytest.raises(InvalidTransferError, match="duplicate"):
+                tier.load_layers([1, 2], [7, 7])
+            with pytest.raises(RuntimeError, match="event loop's thread"):
+                await anyio.to_thread.run_sync(tier.store, [5], [5])
+            assert tier.stats() == before and tier.lookup([1, 2, 3, 4]) == 4
+            stored = tier.store([5], [5])  # 1 is still the least recently used
+            await stored.transfer
+            assert tier.lookup([1]) == 0 and tier.lookup([2, 3, 4, 5]) == 4
+
+
+async def test_a_closed_manager_refuses_stores_with_nothing_changed() -> None:
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(_layout(), HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            tier = _tier(mgr)
+        for store in (tier.store, tier.store_layers):
+            with pytest.raises(anyio.ClosedResourceError):
+                store([1], [1])
+        assert tier.stats().stores == 0 and len(tier.index) == 0
+
+
+async def test_hashes_may_come_from_any_iterable() -> None:
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(_layout(), HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            tier = _tier(mgr)
+            await tier.store((h for h in [1, 2]), [1, 2]).transfer
+            assert tier.lookup(h for h in [1, 2, 3]) == 2
+            await tier.load(iter([1, 2]), [5, 6])
+
+
+async def test_a_layer_store_group_from_another_thread_is_refused_and_the_store_goes_on() -> None:
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(_layout(), HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            tier = _tier(mgr)
+            store = tier.store_layers([1], [1])
+            with pytest.raises(RuntimeError, match="event loop's thread"):
+                await anyio.to_thread.run_sync(store.store_group, 0)
+            for i in range(len(store.groups)):
+                store.store_group(i)
+            await store
+            assert tier.lookup([1]) == 1

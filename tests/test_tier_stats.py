@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from asyncpin import KVLayout, OffloadManager, TierStats, TransferError
+from asyncpin import ConfigError, KVLayout, OffloadManager, TierStats, TransferError
 from asyncpin.abc import EngineSetup
 from asyncpin.engines.host import HostTransferEngine
 from asyncpin.metrics import OffloadCollector, TierCollector
@@ -276,3 +276,18 @@ def test_stats_reads_counters_and_never_walks_the_entries() -> None:
     index._entries = Unwalkable(index._entries)
     s = index.stats()
     assert (s.resident_blocks, s.free_blocks) == (5, 3)
+
+
+class TestCollectorInput:
+    """A TierCollector reads a tier or an index, and one registry takes one of them."""
+
+    @pytest.mark.parametrize("source", [None, object(), 16], ids=repr)
+    def test_anything_else_is_refused_at_once(self, source: object) -> None:
+        with pytest.raises(ConfigError, match="KVTier or a BlockIndex"):
+            TierCollector(source)  # type: ignore[arg-type]
+
+    def test_a_second_collector_on_one_registry_is_refused(self) -> None:
+        registry = CollectorRegistry()
+        registry.register(TierCollector(BlockIndex(4)))
+        with pytest.raises(ValueError, match="Duplicated"):
+            registry.register(TierCollector(BlockIndex(8)))

@@ -77,6 +77,12 @@ BAD_IDS_EITHER_WAY = [
     BadIds("int-not-sequence", 5, [0], ("gpu_block_ids", "sequence")),
     BadIds("none", [0], None, ("cpu_block_ids", "sequence")),
     BadIds("tensor-off-cpu", torch.tensor([0, 1], device="meta"), [0, 1], ("CPU", "meta")),
+    # Unordered (ids pair by position) or bytes rather than ids.
+    BadIds("set", {0, 1}, [0, 1], ("gpu_block_ids", "set")),
+    BadIds("dict", [0, 1], {0: 0, 1: 1}, ("cpu_block_ids", "dict")),
+    BadIds("bytes", b"\x00\x01", [0, 1], ("gpu_block_ids", "bytes")),
+    BadIds("memoryview", [0, 1], memoryview(b"\x00\x01"), ("cpu_block_ids", "memoryview")),
+    BadIds("sparse-tensor", torch.tensor([0, 1]).to_sparse(), [0, 1], ("dense", "sparse")),
 ]
 BAD_IDS: list[tuple[Direction, BadIds]] = [
     (direction, case) for direction in ("store", "load") for case in BAD_IDS_EITHER_WAY

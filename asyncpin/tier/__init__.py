@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
@@ -117,20 +117,28 @@ class LayerStore:
         self._failed = False
         self._running = 0
         self._ended = False
-        if not plan.hashes:  # nothing to copy: over at once
-            self._closed = True
-            self._maybe_end()
+        if not plan.hashes:  # nothing to copy: the plan is over at once (groups copy none)
+            self._ended = True
+            tier.index.end_store(plan, ok=True)
 
     @property
     def skipped(self) -> tuple[BlockHash, ...]:
         return self.plan.skipped
 
     def store_group(self, i: int) -> Transfer:
-        """Queue group ``i``'s copy (once per group)."""
+        """Queue group ``i``'s copy (once per group). Refused (nothing changed) off the
+        event loop's thread or for a bad ``i``; a closed manager or a copy that cannot be
+        queued aborts the store."""
         if self._closed:
             raise InvalidTransferError("this layer-wise store is complete or aborted")
-        if not 0 <= i < len(self.groups) or self.transfers[i] is not None:
-            raise InvalidTransferError(f"group {i} is not a group still to store")
+        if (
+            isinstance(i, bool)
+            or not isinstance(i, int)
+            or not 0 <= i < len(self.groups)
+            or self.transfers[i] is not None
+        ):
+            raise InvalidTransferError(f"group {i!r} is not a group still to store")
+        self._tier.manager._life.check_loop_thread("store_group")
         try:
             transfer = self._tier.manager.store(
                 self._gpu,
@@ -188,13 +196,13 @@ class KVTier:
         self.dropped_events = 0
         self._num_blocks = layout.num_blocks
 
-    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+    def lookup(self, hashes: Iterable[BlockHash]) -> int:
         """How many leading hashes can be loaded now."""
         return self.index.lookup(hashes)
 
     def store(
         self,
-        hashes: Sequence[BlockHash],
+        hashes: Iterable[BlockHash],
         gpu_block_ids: BlockIds,
         *,
         method: Method = "auto",
@@ -203,8 +211,8 @@ class KVTier:
         present are skipped, new ones get host blocks (evicting the least valuable blocks
         no copy uses), and become loadable once the copy is done. A failed copy leaves
         nothing indexed. Bad input raises InvalidTransferError with nothing changed."""
-        gpu = self._ids(hashes, gpu_block_ids)
-        plan = self.index.begin_store(hashes)
+        keys, gpu = self._checked("store", hashes, gpu_block_ids, method)
+        plan = self.index.begin_store(keys)
         try:
             transfer = self.manager.store(
                 [gpu[i] for i in plan.positions], list(plan.host_blocks), method=method
@@ -217,15 +225,14 @@ class KVTier:
 
     def load(
         self,
-        hashes: Sequence[BlockHash],
+        hashes: Iterable[BlockHash],
         gpu_block_ids: BlockIds,
         *,
         method: Method = "auto",
     ) -> Transfer:
         """Load ``hashes`` (all loadable: see ``lookup``) into device blocks; they are kept
         from eviction until the copy is done."""
-        gpu = self._ids(hashes, gpu_block_ids)
-        keys = list(hashes)
+        keys, gpu = self._checked("load", hashes, gpu_block_ids, method)
         host = self.index.begin_load(keys)
         try:
             transfer = self.manager.load(host, gpu, method=method)
@@ -237,7 +244,7 @@ class KVTier:
 
     def load_layers(
         self,
-        hashes: Sequence[BlockHash],
+        hashes: Iterable[BlockHash],
         gpu_block_ids: BlockIds,
         groups: Sequence[range] | None = None,
         *,
@@ -248,8 +255,7 @@ class KVTier:
         a layer's K and V say), queued in order. The blocks are kept from eviction until
         every group is done. Bad input raises InvalidTransferError, nothing queued."""
         ranges = self._groups(groups)
-        gpu = self._ids(hashes, gpu_block_ids)
-        keys = list(hashes)
+        keys, gpu = self._checked("load", hashes, gpu_block_ids, method)
         host = self.index.begin_load(keys)
         transfers: list[Transfer] = []
         left = [0]
@@ -273,7 +279,7 @@ class KVTier:
 
     def store_layers(
         self,
-        hashes: Sequence[BlockHash],
+        hashes: Iterable[BlockHash],
         gpu_block_ids: BlockIds,
         groups: Sequence[range] | None = None,
         *,
@@ -291,8 +297,8 @@ class KVTier:
                 "the groups of a layer-wise store must hold every array once: a block "
                 "is loadable only when all of it is stored"
             )
-        gpu = self._ids(hashes, gpu_block_ids)
-        plan = self.index.begin_store(hashes)
+        keys, gpu = self._checked("store", hashes, gpu_block_ids, method)
+        plan = self.index.begin_store(keys)
         return LayerStore(self, plan, [gpu[i] for i in plan.positions], ranges, method)
 
     def _groups(self, groups: Sequence[range] | None) -> tuple[range, ...]:
@@ -354,12 +360,27 @@ class KVTier:
             dropped_events=self.dropped_events,
         )
 
-    def _ids(self, hashes: Sequence[BlockHash], gpu_block_ids: BlockIds) -> list[int]:
+    def _checked(
+        self,
+        direction: Literal["store", "load"],
+        hashes: Iterable[BlockHash],
+        gpu_block_ids: BlockIds,
+        method: Method,
+    ) -> tuple[list[BlockHash], list[int]]:
+        """The hashes and device block ids, and everything the manager would refuse,
+        checked before the index changes: a refused call changes nothing."""
         from asyncpin.transfers import block_ids  # torch: see the module docstring
 
+        keys = list(hashes)
         gpu = block_ids(gpu_block_ids, "gpu_block_ids", self._num_blocks)
-        if len(gpu) != len(hashes):
+        if len(gpu) != len(keys):
             raise InvalidTransferError(
-                f"{len(hashes)} hashes and {len(gpu)} gpu_block_ids: one device block a hash"
+                f"{len(keys)} hashes and {len(gpu)} gpu_block_ids: one device block a hash"
             )
-        return gpu
+        if direction == "load" and len(set(gpu)) != len(gpu):
+            raise InvalidTransferError(
+                "gpu_block_ids has duplicate destinations: the result would depend on copy "
+                "order"
+            )
+        self.manager._check_submit(direction, method)
+        return keys, gpu

@@ -137,16 +137,17 @@ class BlockIndex:
 
     # -- queries --------------------------------------------------------------------------
 
-    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+    def lookup(self, hashes: Iterable[BlockHash]) -> int:
         """How many leading hashes are present and loadable."""
+        checked = _all_checked(hashes)
         n = 0
-        for h in _all_checked(hashes):
+        for h in checked:
             entry = self._entries.get(h)
             if entry is None or not entry.ready:
                 break
             n += 1
         self._counts.lookups += 1
-        self._counts.looked_up_blocks += len(hashes)
+        self._counts.looked_up_blocks += len(checked)
         self._counts.hit_blocks += n
         return n
 
