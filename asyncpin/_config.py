@@ -154,6 +154,11 @@ class ManagerConfig:
                 raise ConfigError("kv_layout must be a KVLayout (KVLayout.from_tensors(...))")
             blocks = check_num_host_blocks(num_host_blocks)
             ranks = check_host_slice(host_slice)[1]
+            if ranks > 1 and backing != "shared":
+                raise ConfigError(
+                    "host_slice with ranks > 1 is for a region the ranks share: "
+                    "backing='shared' (the other ranks attach to it)"
+                )
             # An attacher learns the region's size when it enters and checks it there.
             if not attach and size < blocks * kv_layout.host_block_bytes * ranks:
                 raise ConfigError(

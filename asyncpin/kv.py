@@ -141,6 +141,11 @@ class KVLayout:
                     f"{tuple(tensor.shape)}"
                 )
             parts = _split_leading(tensor, block_dim)
+            if not parts:
+                raise ConfigError(
+                    f"tensor {n} (shape {tuple(tensor.shape)}) holds no KV array: a "
+                    f"dimension before block_dim={block_dim} is 0"
+                )
             groups.append(range(len(arrays), len(arrays) + len(parts)))
             arrays.extend(parts)
         first = arrays[0]

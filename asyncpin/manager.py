@@ -4,10 +4,11 @@ and closes in an order that never frees memory the device may still use."""
 from __future__ import annotations
 
 import itertools
+import numbers
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, SupportsIndex
 
 import anyio
 import anyio.to_thread
@@ -331,11 +332,12 @@ class OffloadManager:
         ``host_array``)."""
         return host_blocks_view(self._host_bytes(), self._layout_of())
 
-    def host_array(self, array: int) -> torch.Tensor:
+    def host_array(self, array: SupportsIndex) -> torch.Tensor:
         """``[num_host_blocks, *array_shapes[array]]`` view of one array's host blocks."""
         layout = self._layout_of()
-        if isinstance(array, bool) or not isinstance(array, int):
+        if isinstance(array, bool) or not isinstance(array, numbers.Integral):
             raise ConfigError(f"an array index is an int, not {type(array).__name__}")
+        array = int(array)
         if not 0 <= array < layout.num_arrays:
             raise ConfigError(f"array {array} is outside [0, {layout.num_arrays})")
         return host_array_view(self._host_bytes(), layout, array)

@@ -242,7 +242,11 @@ def host_blocks_view(host_bytes: torch.Tensor, layout: KVLayout) -> torch.Tensor
     """``[num_host_blocks, num_arrays, *block_shape]`` over the host blocks, for a layout
     whose arrays share block shape and dtype (ConfigError otherwise)."""
     dtype = layout.dtype
-    inner = {array.stride()[1:] for array in layout.arrays}
+    # The order of a block's elements (the strides of its dimensions of size 1 are moot).
+    inner = {
+        tuple(st if n > 1 else 0 for n, st in zip(array.shape[1:], array.stride()[1:], strict=True))
+        for array in layout.arrays
+    }
     if len(inner) > 1:
         raise ConfigError(
             "the KV arrays order their blocks' elements differently; view each with host_array(a)"
@@ -252,7 +256,7 @@ def host_blocks_view(host_bytes: torch.Tensor, layout: KVLayout) -> torch.Tensor
         dtype,
         0,
         (layout.num_arrays, *layout.block_shape),
-        (layout.block_bytes // dtype.itemsize, *inner.pop()),
+        (layout.block_bytes // dtype.itemsize, *layout.arrays[0].stride()[1:]),
         "the KV blocks",
     )
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 import torch
 
 from asyncpin import ConfigError, InvalidTransferError, KVLayout, OffloadManager, TransferError
 from asyncpin.abc import EngineSetup
 from asyncpin.engines.host import HostTransferEngine
-from asyncpin.testing import FakeBackend
+from asyncpin.testing import FakeBackend, FakeEngine
 from asyncpin.tier import KVTier
 from asyncpin.transfers import TransferJob
 from tests.layouts import CASES, block_bytes, build, randomize_arrays, round_trip
@@ -334,3 +335,64 @@ class TestRefusedLayouts:
         assert KVLayout.from_tensors([shared, shared]).num_arrays == 2
         joined = torch.zeros(2, 8, 4)  # vLLM's [2, blocks, ...]: K, then V
         assert KVLayout.from_tensors([joined], block_dim=1).num_arrays == 2
+
+
+class TestReviewFindings:
+    """Each failed before its fix."""
+
+    def test_a_tensor_that_holds_no_array_is_refused(self) -> None:
+        with pytest.raises(ConfigError, match="holds no KV array"):
+            KVLayout.from_tensors([torch.zeros(2, 4, 8), torch.zeros(0, 4, 8)], block_dim=1)
+
+    async def test_host_blocks_ignore_the_strides_of_size_one_dimensions(self) -> None:
+        a = torch.zeros(BLOCKS, 1, 64)
+        b = torch.zeros(BLOCKS, 64, 1).transpose(1, 2)  # the same order of elements
+        layout = KVLayout.from_tensors([a, b])
+        with anyio.fail_after(TIMEOUT_S):
+            async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+                await mgr.pinned
+                b[3].fill_(7)
+                await mgr.store([3], [2])
+                assert bool((mgr.host_blocks()[2, 1] == 7).all())
+                assert bool((mgr.host_array(np.int64(1))[2] == 7).all())
+
+    def test_ranks_need_a_region_they_can_share(self) -> None:
+        layout = build("joined", BLOCKS, "cpu")
+        with pytest.raises(ConfigError, match="backing='shared'"):
+            OffloadManager.for_kv(layout, HOST_BLOCKS, host_slice=(0, 2))
+
+    async def test_a_layer_load_waits_for_every_group_before_it_raises(self) -> None:
+        layout = build("joined", BLOCKS, "cpu")
+        engines: list[FakeEngine] = []
+
+        def make(setup: EngineSetup) -> FakeEngine:
+            engines.append(FakeEngine(setup, copy=True))
+            return engines[-1]
+
+        with anyio.fail_after(TIMEOUT_S):
+            async with OffloadManager.for_kv(
+                layout, HOST_BLOCKS, backend=FakeBackend(), engine=make
+            ) as mgr:
+                await mgr.pinned
+                (engine,) = engines
+                tier = KVTier(mgr)
+                stored = tier.store([1], [1])
+                engine.finish_next("store")
+                await stored.transfer
+                load = tier.load_layers([1], [2])
+                engine.finish_next("load", RuntimeError("group 0 failed"))
+                outcome: list[BaseException] = []
+
+                async def waiter() -> None:
+                    try:
+                        await load
+                    except Exception as exc:
+                        outcome.append(exc)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(waiter)
+                    await anyio.wait_all_tasks_blocked()
+                    assert outcome == [] and not load.transfers[1].done()  # group 1 held
+                    engine.finish_next("load")
+                assert len(outcome) == 1 and "group 0 failed" in str(outcome[0])
+                assert load.done()

@@ -60,6 +60,19 @@ class TierStore:
         return self.plan.skipped
 
 
+async def _every_one(transfers: Iterable[Transfer]) -> None:
+    """Wait for every transfer, then raise the first failure (later groups may still be
+    running when an earlier one fails)."""
+    first: Exception | None = None
+    for transfer in transfers:
+        try:
+            await transfer
+        except Exception as exc:
+            first = first or exc
+    if first is not None:
+        raise first
+
+
 class LayerLoad:
     """One ``KVTier.load_layers``: a transfer per group of arrays, queued in order, so
     that the model can run layer 0 while later layers are still on their way.
@@ -79,8 +92,7 @@ class LayerLoad:
         return all(t.done() for t in self.transfers)
 
     async def wait(self) -> None:
-        for transfer in self.transfers:
-            await transfer
+        await _every_one(self.transfers)
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()
@@ -175,9 +187,7 @@ class LayerStore:
     async def wait(self) -> None:
         if not self._closed:
             raise RuntimeError("a group of this layer-wise store is not queued (or abort())")
-        for transfer in self.transfers:
-            if transfer is not None:
-                await transfer
+        await _every_one([t for t in self.transfers if t is not None])
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()
@@ -307,7 +317,7 @@ class KVTier:
         layout = self.manager.kv_layout
         assert layout is not None
         if groups is None:
-            return layout.tensor_arrays
+            groups = layout.tensor_arrays
         if isinstance(groups, range) or not groups:
             raise InvalidTransferError("groups is a non-empty sequence of ranges of arrays")
         ranges = tuple(groups)
@@ -379,8 +389,7 @@ class KVTier:
             )
         if direction == "load" and len(set(gpu)) != len(gpu):
             raise InvalidTransferError(
-                "gpu_block_ids has duplicate destinations: the result would depend on copy "
-                "order"
+                "gpu_block_ids has duplicate destinations: the result would depend on copy order"
             )
         self.manager._check_submit(direction, method)
         return keys, gpu

@@ -110,8 +110,9 @@ class CudaTransferEngine:
         open, and none of it while a graph capture is under way on another thread: a
         device allocation, a stream synchronisation or a module load would break it.
         Compiling mid-serving would also stall the submitting thread. The kernel variants
-        are the ones transfers use: it is specialised on its base address's alignment,
-        and the region and both staging halves are 16-byte aligned."""
+        are the ones transfers use: what changes between transfers (the ids, the host
+        base and stride, the range of arrays, the segment count) is not specialised
+        (``asyncpin._kernels``), and the array tables are the layout's."""
         layout, rt, copies = self._layout, self._rt, self._copies
         # A store's host blocks are distinct, and so are a load's device blocks.
         max_ids = {"store": self._num_host_blocks, "load": layout.num_blocks}
