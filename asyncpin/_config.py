@@ -176,10 +176,4 @@ class ManagerConfig:
         layout = self.kv_layout
         if layout is None:
             return None
-        return {
-            "num_arrays": layout.num_arrays,
-            "block_shape": list(layout.block_shape),
-            "dtype": str(layout.dtype),
-            "host_block_bytes": layout.host_block_bytes,
-            "num_host_blocks": self.num_host_blocks,
-        }
+        return {**layout.description(), "num_host_blocks": self.num_host_blocks}

@@ -100,8 +100,6 @@ def _unmap_except(address: int, nbytes: int, keep: list[tuple[int, int]]) -> Non
         _sys.libc_munmap(address + cursor, nbytes - cursor)
 
 
-
-
 def hugetlb_free_bytes() -> int:
     """Free pages of the default hugetlb pool, in bytes (/proc/meminfo)."""
     fields = _sys.meminfo()

@@ -22,7 +22,7 @@ from asyncpin.gate import PauseGate
 from asyncpin.kv import KVLayout
 from asyncpin.pinning import PinnedSignal, PinScheduler
 from asyncpin.region import HostRegion
-from asyncpin.transfers import Transfer, host_blocks_view
+from asyncpin.transfers import Transfer, host_bytes_view
 
 __all__ = ["Opened"]
 
@@ -103,7 +103,7 @@ class Opened:
         log: Any,
     ) -> TransferEngine:
         """The engine and the router in front of it, over the region's host blocks."""
-        self.host_blocks = host_blocks_view(self.region.view(), layout, config.num_host_blocks)
+        self.host_blocks = host_bytes_view(self.region.view(), layout, config.num_host_blocks)
         setup = EngineSetup(layout, self.host_blocks, chunk_bytes, tasks.start_soon)
         self.engine = make_engine(config.engine, setup)
         self.router = TransferRouter(

@@ -79,11 +79,18 @@ class TransferRouter:
         """Returns once no transfer is in flight (their device work is done)."""
         await self._idle.wait()
 
-    def submit(self, direction: Direction, gpu: Ids, cpu: Ids, method: Method) -> Transfer:
+    def submit(
+        self,
+        direction: Direction,
+        gpu: Ids,
+        cpu: Ids,
+        method: Method,
+        arrays: range | None = None,
+    ) -> Transfer:
         """Validate, then hand the job to the engine now, or once its host chunks are
         pinned (``wait``), or through pageable memory (``pageable``). Bad input raises
         InvalidTransferError with nothing enqueued."""
-        job = self._validated(direction, gpu, cpu, method)
+        job = self._validated(direction, gpu, cpu, method, arrays)
         transfer = job.transfer
         size = self.layout.host_block_bytes
         needed = self._table.unpinned((c * size, size) for c in job.cpu_ids)
@@ -109,9 +116,21 @@ class TransferRouter:
         return transfer
 
     def _validated(
-        self, direction: Direction, gpu_ids: Ids, cpu_ids: Ids, method: Method
+        self,
+        direction: Direction,
+        gpu_ids: Ids,
+        cpu_ids: Ids,
+        method: Method,
+        arrays: range | None,
     ) -> TransferJob:
         layout = self.layout
+        nbytes = layout.host_block_bytes
+        if arrays is not None:
+            check_arrays(arrays, layout.num_arrays)
+            if len(arrays) == layout.num_arrays:
+                arrays = None
+            else:
+                nbytes = layout.span(arrays)[1]
         gpu = block_ids(gpu_ids, "gpu_block_ids", layout.num_blocks)
         cpu = block_ids(cpu_ids, "cpu_block_ids", self.num_host_blocks)
         if len(gpu) != len(cpu):
@@ -128,8 +147,8 @@ class TransferRouter:
             raise InvalidTransferError(
                 f"method {method!r} is not available here; use one of {self.engine.methods()}"
             )
-        transfer = Transfer(direction, len(gpu), len(gpu) * layout.host_block_bytes)
-        return TransferJob(transfer, gpu, cpu, method, on_finish=_settle)
+        transfer = Transfer(direction, len(gpu), len(gpu) * nbytes)
+        return TransferJob(transfer, gpu, cpu, method, arrays, on_finish=_settle)
 
     def _track(self, transfer: Transfer) -> None:
         if transfer.direction == "store":
@@ -220,3 +239,17 @@ def _settle(job: TransferJob, error: BaseException | None) -> None:
         wrapped.__cause__ = error
         error = wrapped
     transfer._finish(error)
+
+
+def check_arrays(arrays: object, num_arrays: int) -> None:
+    """``arrays`` is a non-empty range of consecutive array indices of the layout."""
+    if not isinstance(arrays, range):
+        raise InvalidTransferError(
+            f"arrays must be a range of array indices, not {type(arrays).__name__}"
+        )
+    if not arrays or arrays.step != 1:
+        raise InvalidTransferError(f"arrays must be non-empty and consecutive, got {arrays}")
+    if arrays.start < 0 or arrays.stop > num_arrays:
+        raise InvalidTransferError(
+            f"arrays {arrays} is outside the layout's range(0, {num_arrays})"
+        )

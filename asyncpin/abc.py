@@ -63,7 +63,8 @@ class EngineSetup:
 
     #: The device-side KV arrays.
     layout: KVLayout
-    #: ``[num_host_blocks, num_arrays, *block_shape]`` over the host region (block-major).
+    #: ``[num_host_blocks, host_block_bytes]`` uint8 over the host region (block-major:
+    #: array ``a`` of host block ``c`` at ``c * host_block_bytes + array_offsets[a]``).
     host_blocks: torch.Tensor
     #: The region is registered in spans of this many bytes, from its start: one DMA
     #: must not cross a span boundary.
@@ -94,6 +95,9 @@ class TransferEngine(Protocol):
       (or, when ``job.ready`` is set, at the ``record_ready()`` call that made it).
       Pinned jobs of one direction (``store``, ``load``) complete in submission order,
       and a later job to the same block wins; a store and a load may overlap.
+    - A job copies block ``job.gpu_ids[i]`` of every array, or of the arrays in
+      ``job.arrays`` when it is set (a range of consecutive arrays), to or from host
+      block ``job.cpu_ids[i]``, byte for byte as the blocks lie (``EngineSetup``).
     - ``pageable=True``: some host block of the job is not pinned yet; the engine copies
       through pageable memory (the host may wait) and calls ``job.reserve()`` first when
       it is set.

@@ -2,24 +2,35 @@
 
 Each tensor has a block dimension. Dimensions before it are split off (vLLM's
 ``[2, num_blocks, ...]`` per layer becomes a K array and a V array); what remains is an
-*array* ``[num_blocks, *block_shape]`` whose blocks are each contiguous. Every array must
-agree on device, dtype, number of blocks and block shape.
+*array* ``[num_blocks, *block_shape]``. Every array must agree on device and number of
+blocks: block ``g`` of every array is one engine block, one id. Arrays may differ in block
+shape and dtype (K and V of different head sizes, an MLA cache beside its indexer cache,
+hybrid attention); ``uniform`` says whether they do not.
+
+A block must be *dense*: its elements fill ``block_bytes`` bytes from the block's first
+element, in any order of its dimensions. Contiguous blocks are dense; so are the blocks of
+a view whose stride order puts heads before blocks over memory that is block-major (the
+HND layout of FlashInfer's paged cache, as vLLM allocates it). The bytes of a block are
+moved as they lie: a block comes back to the device exactly as it left.
 
 On the host, blocks are laid out block-major: host block ``c`` holds every array's block
-back to back (``num_arrays * block_bytes`` contiguous bytes), so one host block moves as
-one large DMA.
+back to back (array ``a`` at ``array_offsets[a]``, ``host_block_bytes`` in all), so one
+host block moves as one large DMA.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from asyncpin.errors import ConfigError
 
-__all__ = ["KVLayout"]
+__all__ = ["KVLayout", "byte_blocks", "is_dense"]
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, eq=False)
@@ -28,37 +39,82 @@ class KVLayout:
 
     arrays: tuple[torch.Tensor, ...] = field(repr=False)
     num_blocks: int
-    block_shape: tuple[int, ...]
-    dtype: torch.dtype
     device: torch.device
+    #: Each array's block shape and dtype.
+    array_shapes: tuple[tuple[int, ...], ...]
+    array_dtypes: tuple[torch.dtype, ...]
+    #: Bytes of one block of each array, and where it lies in a host block.
+    array_block_bytes: tuple[int, ...]
+    array_offsets: tuple[int, ...]
+    #: Bytes of one host block: every array's block, back to back.
+    host_block_bytes: int
+    #: The arrays each tensor given to ``from_tensors`` became, in order (for a layer's
+    #: ``[2, num_blocks, ...]`` tensor, its K and V arrays): the groups of a layer-wise
+    #: load.
+    tensor_arrays: tuple[range, ...]
 
     @property
     def num_arrays(self) -> int:
         return len(self.arrays)
 
     @property
-    def block_bytes(self) -> int:
-        """Bytes of one block of one array."""
-        numel = 1
-        for dim in self.block_shape:
-            numel *= dim
-        return numel * self.dtype.itemsize
+    def uniform(self) -> bool:
+        """Whether every array has the same block shape and dtype."""
+        return len(set(zip(self.array_shapes, self.array_dtypes, strict=True))) == 1
 
     @property
-    def host_block_bytes(self) -> int:
-        """Bytes of one host block: every array's block, back to back."""
-        return self.block_bytes * self.num_arrays
+    def block_shape(self) -> tuple[int, ...]:
+        """The block shape of every array (ConfigError if they differ)."""
+        return self._uniform("block shape", self.array_shapes)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of every array (ConfigError if they differ)."""
+        return self._uniform("dtype", self.array_dtypes)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of each array (ConfigError if they differ)."""
+        return self._uniform("block size", self.array_block_bytes)
+
+    def _uniform(self, what: str, values: tuple[_T, ...]) -> _T:
+        if len(set(values)) != 1:
+            raise ConfigError(
+                f"the KV arrays differ in {what} ({sorted(set(map(str, values)))}): ask "
+                "per array (array_shapes, array_dtypes, array_block_bytes)"
+            )
+        return values[0]
+
+    def span(self, arrays: range) -> tuple[int, int]:
+        """``(offset, nbytes)`` of ``arrays`` (consecutive) within a host block."""
+        first, last = arrays[0], arrays[-1]
+        start = self.array_offsets[first]
+        return start, self.array_offsets[last] + self.array_block_bytes[last] - start
+
+    def byte_arrays(self) -> list[torch.Tensor]:
+        """Each array's blocks as raw bytes, ``[num_blocks, block_bytes]`` uint8 views."""
+        return [byte_blocks(array) for array in self.arrays]
+
+    def description(self) -> dict[str, object]:
+        """What the bytes of a host block mean (recorded in a shared region's header)."""
+        return {
+            "num_arrays": self.num_arrays,
+            "block_shapes": [list(s) for s in self.array_shapes],
+            "dtypes": [str(d) for d in self.array_dtypes],
+            "host_block_bytes": self.host_block_bytes,
+        }
 
     @classmethod
     def from_tensors(cls, tensors: Sequence[torch.Tensor], *, block_dim: int = 0) -> KVLayout:
         """Describe ``tensors`` (one or more per layer) whose dimension ``block_dim``
-        indexes KV blocks. Raises ConfigError when they disagree or a block is not
-        contiguous."""
+        indexes KV blocks. Raises ConfigError when they disagree on device or number of
+        blocks, or a block is not dense."""
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         if not tensors:
             raise ConfigError("a KV layout needs at least one tensor")
         arrays: list[torch.Tensor] = []
+        groups: list[range] = []
         for n, tensor in enumerate(tensors):
             if not isinstance(tensor, torch.Tensor):
                 raise ConfigError(f"tensor {n} is a {type(tensor).__name__}, not a torch.Tensor")
@@ -67,31 +123,67 @@ class KVLayout:
                     f"block_dim={block_dim} is out of range for tensor {n} of shape "
                     f"{tuple(tensor.shape)}"
                 )
-            arrays.extend(_split_leading(tensor, block_dim))
+            parts = _split_leading(tensor, block_dim)
+            groups.append(range(len(arrays), len(arrays) + len(parts)))
+            arrays.extend(parts)
         first = arrays[0]
-        if first.shape[0] == 0 or first[0].numel() == 0:
-            raise ConfigError("KV arrays must hold at least one non-empty block")
         for n, array in enumerate(arrays):
             for what, mine, theirs in (
                 ("device", array.device, first.device),
-                ("dtype", array.dtype, first.dtype),
                 ("number of blocks", array.shape[0], first.shape[0]),
-                ("block shape", tuple(array.shape[1:]), tuple(first.shape[1:])),
             ):
                 if mine != theirs:
                     raise ConfigError(f"KV array {n} has {what} {mine}, array 0 has {theirs}")
-            if not array[0].is_contiguous() or array.stride(0) < array[0].numel():
+            if array.shape[0] == 0 or array[0].numel() == 0:
+                raise ConfigError("KV arrays must hold at least one non-empty block")
+            if not is_dense(array[0]) or (
+                array.shape[0] > 1 and array.stride(0) < array[0].numel()
+            ):
                 raise ConfigError(
                     f"KV array {n} (shape {tuple(array.shape)}, strides {array.stride()}) does "
-                    "not hold each block contiguously"
+                    "not hold each block densely: a block's elements must fill its bytes, "
+                    "apart from every other block's"
                 )
+        sizes = [array[0].numel() * array.dtype.itemsize for array in arrays]
+        offsets = [sum(sizes[:a]) for a in range(len(sizes))]
         return cls(
             arrays=tuple(arrays),
             num_blocks=int(first.shape[0]),
-            block_shape=tuple(int(d) for d in first.shape[1:]),
-            dtype=first.dtype,
             device=first.device,
+            array_shapes=tuple(tuple(int(d) for d in a.shape[1:]) for a in arrays),
+            array_dtypes=tuple(a.dtype for a in arrays),
+            array_block_bytes=tuple(sizes),
+            array_offsets=tuple(offsets),
+            host_block_bytes=sum(sizes),
+            tensor_arrays=tuple(groups),
         )
+
+
+def is_dense(block: torch.Tensor) -> bool:
+    """Whether ``block``'s elements fill ``numel * itemsize`` bytes from its first element,
+    in some order of its dimensions (any permutation of a contiguous tensor)."""
+    expected = 1
+    for size, stride in sorted(
+        ((s, st) for s, st in zip(block.shape, block.stride(), strict=True) if s != 1),
+        key=lambda d: d[1],
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def byte_blocks(array: torch.Tensor) -> torch.Tensor:
+    """``[num_blocks, block_bytes]`` uint8 view of the bytes of ``array``'s dense blocks."""
+    size = array.dtype.itemsize
+    raw = torch.empty(0, dtype=torch.uint8, device=array.device)
+    raw.set_(
+        array.untyped_storage(),
+        array.storage_offset() * size,
+        (array.shape[0], array[0].numel() * size),
+        (array.stride(0) * size, 1),
+    )
+    return raw
 
 
 def _split_leading(tensor: torch.Tensor, block_dim: int) -> list[torch.Tensor]:

@@ -35,7 +35,13 @@ from asyncpin.kv import KVLayout
 from asyncpin.pinning import PinnedSignal
 from asyncpin.region import Backing, HugePages
 from asyncpin.stats import ManagerStats
-from asyncpin.transfers import BlockIds, Method, Transfer
+from asyncpin.transfers import (
+    BlockIds,
+    Method,
+    Transfer,
+    host_array_view,
+    host_blocks_view,
+)
 
 __all__ = ["ManagerState", "ManagerStats", "OffloadManager"]
 
@@ -310,8 +316,33 @@ class OffloadManager:
         return self._config.num_host_blocks
 
     def host_blocks(self) -> torch.Tensor:
-        """``[num_host_blocks, num_arrays, *block_shape]`` view of the host KV blocks."""
+        """``[num_host_blocks, num_arrays, *block_shape]`` view of the host KV blocks, for
+        a layout whose arrays share block shape and dtype (else ConfigError: see
+        ``host_array``)."""
+        return host_blocks_view(self._host_bytes(), self._layout_of())
+
+    def host_array(self, array: int) -> torch.Tensor:
+        """``[num_host_blocks, *array_shapes[array]]`` view of one array's host blocks."""
+        layout = self._layout_of()
+        if isinstance(array, bool) or not isinstance(array, int):
+            raise ConfigError(f"an array index is an int, not {type(array).__name__}")
+        if not 0 <= array < layout.num_arrays:
+            raise ConfigError(f"array {array} is outside [0, {layout.num_arrays})")
+        return host_array_view(self._host_bytes(), layout, array)
+
+    def host_bytes(self) -> torch.Tensor:
+        """``[num_host_blocks, host_block_bytes]`` uint8 view of the host KV blocks."""
+        return self._host_bytes()
+
+    def _layout_of(self) -> KVLayout:
         self._life.check_open()
+        layout = self._config.kv_layout
+        if layout is None:
+            raise ConfigError("this manager has no KV layout (use OffloadManager.for_kv)")
+        return layout
+
+    def _host_bytes(self) -> torch.Tensor:
+        self._layout_of()
         if self._opened is None or self._opened.host_blocks is None:
             raise ConfigError("this manager has no KV layout (use OffloadManager.for_kv)")
         return self._opened.host_blocks
@@ -322,13 +353,15 @@ class OffloadManager:
         cpu_block_ids: BlockIds,
         *,
         method: Method = "auto",
+        arrays: range | None = None,
     ) -> Transfer:
-        """Copy device KV blocks to host blocks (all arrays at once); returns the handle.
+        """Copy device KV blocks to host blocks; returns the handle. Every array, or only
+        ``arrays`` (consecutive array indices: a group of layers, say).
 
         The copy first waits for work already queued on the caller's current stream (the
         work that produced the blocks). Bad input raises InvalidTransferError before
         anything is enqueued; a closed manager raises ClosedResourceError."""
-        return self._submit("store", gpu_block_ids, cpu_block_ids, method)
+        return self._submit("store", gpu_block_ids, cpu_block_ids, method, arrays)
 
     def load(
         self,
@@ -336,10 +369,12 @@ class OffloadManager:
         gpu_block_ids: BlockIds,
         *,
         method: Method = "auto",
+        arrays: range | None = None,
     ) -> Transfer:
-        """Copy host blocks into device KV blocks; returns the handle. On CUDA, the
-        handle's ``event`` lets the compute stream wait for the load without blocking."""
-        return self._submit("load", gpu_block_ids, cpu_block_ids, method)
+        """Copy host blocks into device KV blocks (every array, or only ``arrays``);
+        returns the handle. On CUDA, the handle's ``event`` lets the compute stream wait
+        for the load without blocking."""
+        return self._submit("load", gpu_block_ids, cpu_block_ids, method, arrays)
 
     def _submit(
         self,
@@ -347,13 +382,14 @@ class OffloadManager:
         gpu_block_ids: BlockIds,
         cpu_block_ids: BlockIds,
         method: Method,
+        arrays: range | None,
     ) -> Transfer:
         self._life.check_open("the manager is closed to new transfers")
         self._life.check_loop_thread(direction)
         router = self._opened.router if self._opened is not None else None
         if router is None:
             raise ConfigError("this manager has no KV layout (use OffloadManager.for_kv)")
-        return router.submit(direction, gpu_block_ids, cpu_block_ids, method)
+        return router.submit(direction, gpu_block_ids, cpu_block_ids, method, arrays)
 
     @property
     def _engine(self) -> TransferEngine | None:

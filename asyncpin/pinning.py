@@ -81,8 +81,8 @@ class PinScheduler:
         self._pin_threads = pin_threads
         self._pin_interval_s = pin_interval_s
         # The size asked for (a region smaller than one chunk has one shorter chunk).
-        self._chunk_bytes = chunk_bytes if chunk_bytes is not None else (
-            chunks[0].nbytes if chunks else 0
+        self._chunk_bytes = (
+            chunk_bytes if chunk_bytes is not None else (chunks[0].nbytes if chunks else 0)
         )
         self._lock = threading.Lock()
         self._stop = threading.Event()

@@ -20,7 +20,7 @@ import anyio.to_thread
 import torch
 
 from asyncpin._outcome import Outcome
-from asyncpin.errors import InvalidTransferError
+from asyncpin.errors import ConfigError, InvalidTransferError
 from asyncpin.kv import KVLayout
 
 __all__ = [
@@ -33,7 +33,9 @@ __all__ = [
     "TransferJob",
     "block_ids",
     "copy_in_thread",
+    "host_array_view",
     "host_blocks_view",
+    "host_bytes_view",
     "interrupted",
 ]
 
@@ -117,6 +119,8 @@ class TransferJob:
     gpu_ids: list[int]
     cpu_ids: list[int]
     method: Method
+    # The arrays to copy (consecutive); None: every array.
+    arrays: range | None = None
     ready: Any = None  # for a job submitted late: the caller's stream when it was made
     keep: list[Any] = field(default_factory=list)  # buffers alive until the copy is done
     # CUDA engine: the error of a job only partly queued, reported once its streams drain;
@@ -178,15 +182,50 @@ async def copy_in_thread(
         job.finish()
 
 
-def host_blocks_view(
+def host_bytes_view(
     region_view: torch.Tensor, layout: KVLayout, num_host_blocks: int
 ) -> torch.Tensor:
-    """``[num_host_blocks, num_arrays, *block_shape]`` over the region's bytes."""
+    """``[num_host_blocks, host_block_bytes]`` uint8 over the region's bytes."""
     nbytes = num_host_blocks * layout.host_block_bytes
-    return (
-        region_view[:nbytes]
-        .view(layout.dtype)
-        .view(num_host_blocks, layout.num_arrays, *layout.block_shape)
+    return region_view[:nbytes].view(num_host_blocks, layout.host_block_bytes)
+
+
+def host_array_view(host_bytes: torch.Tensor, layout: KVLayout, a: int) -> torch.Tensor:
+    """``[num_host_blocks, *array_shapes[a]]`` typed view of array ``a``'s host blocks,
+    whose bytes lie as on the device (a block's strides are the device array's)."""
+    dtype, size = layout.array_dtypes[a], layout.array_dtypes[a].itemsize
+    offset, step = layout.array_offsets[a], layout.host_block_bytes
+    if offset % size or step % size:
+        raise ConfigError(
+            f"array {a}'s host blocks ({dtype}) do not start on a multiple of its "
+            f"{size}-byte elements; read them as bytes (host_bytes)"
+        )
+    typed = host_bytes.view(-1).view(dtype)
+    return typed.as_strided(
+        (host_bytes.shape[0], *layout.array_shapes[a]),
+        (step // size, *layout.arrays[a].stride()[1:]),
+        typed.storage_offset() + offset // size,
+    )
+
+
+def host_blocks_view(host_bytes: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """``[num_host_blocks, num_arrays, *block_shape]`` over the host blocks, for a layout
+    whose arrays share block shape and dtype (ConfigError otherwise)."""
+    dtype, size = layout.dtype, layout.dtype.itemsize
+    inner = {array.stride()[1:] for array in layout.arrays}
+    if len(inner) > 1:
+        raise ConfigError(
+            "the KV arrays order their blocks' elements differently; view each with host_array(a)"
+        )
+    typed = host_bytes.view(-1).view(dtype)
+    return typed.as_strided(
+        (host_bytes.shape[0], layout.num_arrays, *layout.block_shape),
+        (
+            layout.host_block_bytes // size,
+            layout.block_bytes // size,
+            *layout.arrays[0].stride()[1:],
+        ),
+        typed.storage_offset(),
     )
 
 

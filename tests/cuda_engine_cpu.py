@@ -44,7 +44,7 @@ def cpu_engine(
     ``kernel`` (None: no Triton). Its threads end on exit."""
     monkeypatch.setattr(ct, "Runtime", lambda: SimpleNamespace())
     monkeypatch.setattr(ct, "load_kernel", lambda: kernel)
-    host = torch.zeros(host_blocks, layout.num_arrays, *layout.block_shape, dtype=layout.dtype)
+    host = torch.zeros(host_blocks, layout.host_block_bytes, dtype=torch.uint8)
     assert host.data_ptr() % 16 == 0  # as the region is (page-aligned)
     engine = CudaTransferEngine(EngineSetup(layout, host, chunk_bytes, start_soon))
     threads = engine._submitter, engine._completion  # a test may stand others in

@@ -35,8 +35,7 @@ def _verdict(
     return kernel_misalignment(
         array_ptrs=ptrs,
         array_strides=strides,
-        block_bytes=block,
-        num_arrays=len(ptrs),
+        array_bytes=[block] * len(ptrs),
         host_bases=hosts if hosts is not None else [BASE],
     )
 
@@ -103,8 +102,7 @@ class TestKernelMisalignment:
         verdict = kernel_misalignment(
             array_ptrs=ptrs,
             array_strides=strides,
-            block_bytes=block,
-            num_arrays=arrays,
+            array_bytes=[block] * arrays,
             host_bases=hosts,
             word=word,
         )

@@ -34,7 +34,7 @@ from asyncpin.testing import (
     check_pin_backend,
     check_transfer_engine,
 )
-from asyncpin.transfers import Direction, Method, Transfer, TransferJob
+from asyncpin.transfers import Direction, Method, Transfer, TransferJob, host_blocks_view
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -337,7 +337,7 @@ def job(direction: Direction, gpu: list[int], cpu: list[int]) -> TransferJob:
 
 
 def host_blocks(layout: KVLayout, num: int = 8) -> torch.Tensor:
-    return torch.zeros(num, layout.num_arrays, *layout.block_shape, dtype=layout.dtype)
+    return torch.zeros(num, layout.host_block_bytes, dtype=torch.uint8)
 
 
 class TestFakeEngine:
@@ -447,8 +447,9 @@ class TestFakeEngine:
                 with pytest.raises(OSError) as caught:
                     await failed.transfer
             assert caught.value is error
+            typed = host_blocks_view(host, layout)
             for a, array in enumerate(layout.arrays):
-                assert torch.equal(host[5:7, a], array[0:2])
+                assert torch.equal(typed[5:7, a], array[0:2])
             await anyio.to_thread.run_sync(engine.close)
 
     def test_refuses_what_the_contract_forbids(self, anyio_backend: str) -> None:

@@ -20,6 +20,7 @@ from asyncpin.engines.cuda.plan import (
     PackPiece,
     choose_method,
     is_small,
+    kernel_misalignment,
     pack_slots,
 )
 
@@ -33,7 +34,7 @@ def _plan(block: int, chunk: int, *, arrays: int = 1) -> AddressPlan:
     return AddressPlan(
         array_ptrs=[DEVICE + a * (1 << 30) for a in range(arrays)],
         array_strides=[2 * part + 8] * arrays,
-        block_bytes=part,
+        array_bytes=[part] * arrays,
         host_base=BASE,
         chunk_bytes=chunk,
     )
@@ -208,9 +209,10 @@ class TestSegments:
         rng = random.Random(arrays)
         gpu = [rng.randrange(100) for _ in range(9)]
         cpu = [rng.randrange(100) for _ in range(9)]
-        device, host = plan.segments(gpu, cpu, tensors=False)
-        device_t, host_t = plan.segments(gpu, cpu)
+        device, host, sizes = plan.segments(gpu, cpu, tensors=False)
+        device_t, host_t, sizes_t = plan.segments(gpu, cpu)
         assert device == device_t.tolist() and host == host_t.tolist()
+        assert sizes == sizes_t.tolist() == [64] * len(host)
         # Block by block, array by array, as the kernel and the host layout define them.
         stride = 2 * 64 + 8
         assert device[:arrays] == [DEVICE + a * (1 << 30) + gpu[0] * stride for a in range(arrays)]
@@ -220,7 +222,7 @@ class TestSegments:
         plan = _plan(96, 64, arrays=2)  # 48-byte segments, 64-byte chunks
         host, device, sizes = plan.small_segments([0, 1], [0, 1])
         ranges = list(zip(host, device, sizes, strict=True))
-        d, h = plan.segments([0, 1], [0, 1], tensors=False)
+        d, h, _ = plan.segments([0, 1], [0, 1], tensors=False)
         expected: dict[int, int] = {}
         for hh, dd in zip(h, d, strict=True):
             expected.update({hh + t: dd + t for t in range(48)})
@@ -242,9 +244,9 @@ class TestPackPieces:
         calls: list[int] = []
         real = plan.piece_dmas
 
-        def counted(cpu_ids: list[int], staging: int) -> Any:
+        def counted(cpu_ids: list[int], staging: int, arrays: range | None = None) -> Any:
             calls.append(len(cpu_ids))
-            return real(cpu_ids, staging)
+            return real(cpu_ids, staging, arrays)
 
         plan.piece_dmas = counted  # type: ignore[method-assign]
         pieces = plan.pack_pieces(list(range(10)), per_piece=4, halves=(STAGING, 0), first_half=0)
@@ -347,3 +349,73 @@ class TestChooseMethod:
 
     def test_an_empty_pack_job_asks_for_no_staging(self) -> None:
         assert _choose("pack", blocks=0, staged=False) == ("pack", 0)
+
+
+# -- arrays of different sizes, and ranges of arrays ------------------------------------
+
+
+def _mixed_plan(sizes: list[int], chunk: int) -> AddressPlan:
+    return AddressPlan(
+        array_ptrs=[DEVICE + a * (1 << 30) for a in range(len(sizes))],
+        array_strides=[s + 8 for s in sizes],
+        array_bytes=sizes,
+        host_base=BASE,
+        chunk_bytes=chunk,
+    )
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ranges_of_mixed_arrays_move_exactly_their_bytes(seed: int) -> None:
+    """The host bytes of (block, array) pairs, by brute force: array ``a`` of host block
+    ``c`` lies at ``c * sum(sizes) + sum(sizes[:a])``. Segments (lists and tensors) and a
+    pack piece's DMAs to staging slots of the range's span move exactly those bytes."""
+    rng = random.Random(seed)
+    sizes = [rng.choice([8, 24, 40, 136, 576]) for _ in range(rng.randint(1, 6))]
+    chunk = rng.choice([64, 256, 4096, sum(sizes) * 2])
+    plan = _mixed_plan(sizes, chunk)
+    lo = rng.randrange(len(sizes))
+    arrays = range(lo, rng.randint(lo + 1, len(sizes)))
+    n = rng.randint(1, 12)
+    gpu, cpu = rng.sample(range(50), n), _ids(rng, n, 40, repeats=False)
+    hb = sum(sizes)
+    offset = sum(sizes[: arrays.start])
+    span = sum(sizes[arrays.start : arrays.stop])
+    assert plan.span(arrays) == (offset, span)
+
+    expected: dict[int, int] = {}  # host byte -> device byte
+    for g, c in zip(gpu, cpu, strict=True):
+        for a in arrays:
+            for t in range(sizes[a]):
+                expected[BASE + c * hb + sum(sizes[:a]) + t] = (
+                    DEVICE + a * (1 << 30) + g * (sizes[a] + 8) + t
+                )
+    device, host, lengths = plan.segments(gpu, cpu, arrays, tensors=False)
+    device_t, host_t, lengths_t = plan.segments(gpu, cpu, arrays)
+    assert (device, host, lengths) == (device_t.tolist(), host_t.tolist(), lengths_t.tolist())
+    small = plan.small_segments(gpu, cpu, arrays)
+    assert _bytes_by_chunk(list(zip(*small, strict=True)), chunk) == expected
+
+    # Pack: host span of block c -> slot j of ``span`` bytes.
+    moved: dict[int, int] = {}
+    for host_a, local_a, sizes_a in plan.piece_dmas(cpu, STAGING, arrays):
+        ranges = list(zip(host_a, local_a, sizes_a, strict=True))
+        moved.update(_bytes_by_chunk(ranges, chunk))
+    assert moved == {
+        BASE + c * hb + offset + t: STAGING + j * span + t
+        for j, c in enumerate(cpu)
+        for t in range(span)
+    }
+
+
+def test_the_kernel_is_refused_for_an_array_of_a_size_not_in_words() -> None:
+    ptrs, strides = [DEVICE, DEVICE + (1 << 30)], [4096, 4096]
+    assert (
+        kernel_misalignment(
+            array_ptrs=ptrs, array_strides=strides, array_bytes=[576, 136], host_bases=[BASE]
+        )
+        is None
+    )
+    verdict = kernel_misalignment(
+        array_ptrs=ptrs, array_strides=strides, array_bytes=[576, 134], host_bases=[BASE]
+    )
+    assert verdict is not None and "array 1's block size" in verdict

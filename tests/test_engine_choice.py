@@ -65,7 +65,7 @@ async def test_an_injected_engine_class_makes_the_engine() -> None:
             await mgr.store([1, 2], [0, 3])
             (setup,) = RecordingEngine.made
             assert setup.layout is layout
-            assert setup.host_blocks.shape == (4, 1, 64)
+            assert setup.host_blocks.shape == (4, 64)
             assert isinstance(mgr._engine, RecordingEngine)
             assert isinstance(mgr._engine, TransferEngine)
             assert [job.cpu_ids for job in mgr._engine.jobs] == [[0, 3]]

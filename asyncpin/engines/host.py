@@ -35,6 +35,7 @@ class HostTransferEngine:
             )
         self._layout = setup.layout
         self._host: torch.Tensor | None = setup.host_blocks
+        self._bytes = setup.layout.byte_arrays()
         self._start_soon = setup.start_soon
         # One worker thread per direction, apart from the application's default pool.
         self._limiter = anyio.CapacityLimiter(2)
@@ -81,13 +82,17 @@ class HostTransferEngine:
     def _copy(self, job: TransferJob) -> None:
         host = self._host
         assert host is not None, "a copy after close"
+        layout = self._layout
         gpu_ids = torch.tensor(job.gpu_ids, dtype=torch.int64)
         cpu_ids = torch.tensor(job.cpu_ids, dtype=torch.int64)
-        for a, array in enumerate(self._layout.arrays):
+        # Bytes as they lie: a block comes back exactly as it left, whatever its layout.
+        for a in job.arrays or range(layout.num_arrays):
+            offset = layout.array_offsets[a]
+            part = host[:, offset : offset + layout.array_block_bytes[a]]
             if job.transfer.direction == "store":
-                host[cpu_ids, a] = array[gpu_ids]
+                part[cpu_ids] = self._bytes[a][gpu_ids]
             else:
-                array[gpu_ids] = host[cpu_ids, a]
+                self._bytes[a][gpu_ids] = part[cpu_ids]
 
     def close(self) -> None:
         """Drop the view of the host blocks: only the application's views may keep the

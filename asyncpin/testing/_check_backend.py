@@ -70,8 +70,7 @@ async def check_pin_backend(
     page = _sys.PAGE_SIZE
     if isinstance(max_pin, bool) or not isinstance(max_pin, int) or max_pin < page:
         raise AssertionError(
-            f"{name}: max_pin_bytes must be an int of at least one page ({page}), "
-            f"got {max_pin!r}"
+            f"{name}: max_pin_bytes must be an int of at least one page ({page}), got {max_pin!r}"
         )
     span = min(chunk_bytes, max_pin) // page * page
     if span <= 0 or nbytes <= 0 or pin_threads <= 0:
@@ -86,6 +85,7 @@ async def check_pin_backend(
     leaked: list[Chunk] = []
     limiter = anyio.CapacityLimiter(pin_threads)
     try:
+
         async def pin(chunk: Chunk) -> None:
             address = region.address + chunk.offset
             await anyio.to_thread.run_sync(backend.pin, address, chunk.nbytes, limiter=limiter)
@@ -131,8 +131,7 @@ async def check_pin_backend(
         for chunk in chunks:
             if is_pinned is not None and is_pinned(region.address + chunk.offset, chunk.nbytes):
                 raise AssertionError(
-                    f"{name}: unpin returned but the span at offset {chunk.offset} is still "
-                    "pinned"
+                    f"{name}: unpin returned but the span at offset {chunk.offset} is still pinned"
                 )
     finally:
         with anyio.CancelScope(shield=True):

@@ -68,8 +68,9 @@ async def check_transfer_engine(
     for. The check cannot see the loop blocked by a ``submit`` that waits and reports
     later, nor require a store and a load to overlap (it is allowed, not demanded).
     """
-    h = EngineHarness(factory, layout, num_host_blocks, pageable_blocks, chunk_bytes, backend,
-                      seed, timeout_s)
+    h = EngineHarness(
+        factory, layout, num_host_blocks, pageable_blocks, chunk_bytes, backend, seed, timeout_s
+    )
     try:
         engine = await h.start(method)
         await _round_trip(h, engine, method)
@@ -142,10 +143,10 @@ async def _pageable(h: EngineHarness, engine: TransferEngine, method: Method) ->
             # Before the copy: the host blocks a store writes still hold the old bytes.
             untouched = all(torch.equal(h.blocks.host_block(c), old) for c, old in before)
             calls.append((what, threading.get_ident(), untouched))
+
         return reserve
 
-    store = h.job("store", [0, 1], [q[1], q[0]], method,
-                  reserve=reserve_for("store", [q[1], q[0]]))
+    store = h.job("store", [0, 1], [q[1], q[0]], method, reserve=reserve_for("store", [q[1], q[0]]))
     h.submit(engine, store, pageable=True)
     await h.wait([store], "a pageable store")
     load = h.job("load", [2, 3], [q[0], q[1]], method, reserve=reserve_for("load", []))
@@ -198,8 +199,10 @@ async def _close(h: EngineHarness, engine: TransferEngine) -> None:
         await anyio.lowlevel.checkpoint()
     h.verify()
     left = [
-        t for t in threading.enumerate()
-        if t not in h.threads_before and t.is_alive()
+        t
+        for t in threading.enumerate()
+        if t not in h.threads_before
+        and t.is_alive()
         and not t.name.startswith(_POOL_THREADS)
         and not isinstance(t, threading._DummyThread)
     ]

@@ -98,9 +98,7 @@ class FakeEngine:
     ) -> None:
         """The next ``count`` jobs handed on (of ``direction``, or of either) are reported
         with ``error`` (by default an OSError) instead of success."""
-        self._copy_errors.append(
-            [direction, error or OSError("injected copy failure"), count]
-        )
+        self._copy_errors.append([direction, error or OSError("injected copy failure"), count])
 
     # -- driving it ----------------------------------------------------------------------
 
@@ -155,9 +153,7 @@ class FakeEngine:
     def close(self) -> None:
         unfinished = [entry for entry in self.submitted if not entry.finished]
         if unfinished:
-            raise RuntimeError(
-                f"close() while {len(unfinished)} jobs it took are not finished"
-            )
+            raise RuntimeError(f"close() while {len(unfinished)} jobs it took are not finished")
         if self._inner is not None:
             self._inner.close()
         self.closed = True

@@ -62,7 +62,10 @@ class Blocks:
     def random_block(self) -> torch.Tensor:
         layout = self.layout
         return torch.randint(
-            0, 256, (layout.num_arrays, layout.block_bytes), dtype=torch.uint8,
+            0,
+            256,
+            (layout.num_arrays, layout.block_bytes),
+            dtype=torch.uint8,
             generator=self.generator,
         )
 

@@ -19,7 +19,7 @@ from asyncpin.abc import EngineFactory, EngineSetup, PinBackend, TransferEngine
 from asyncpin.kv import KVLayout
 from asyncpin.region import Chunk, HostRegion, round_to_pages
 from asyncpin.testing._engine_blocks import Blocks
-from asyncpin.transfers import Direction, Method, Transfer, TransferJob, host_blocks_view
+from asyncpin.transfers import Direction, Method, Transfer, TransferJob, host_bytes_view
 
 __all__ = ["BATCH", "EngineHarness"]
 
@@ -135,7 +135,7 @@ class EngineHarness:
         self.threads_before = set(threading.enumerate())
         setup = EngineSetup(
             layout,
-            host_blocks_view(region_bytes, layout, self.num_host),
+            host_bytes_view(region_bytes, layout, self.num_host),
             self.chunk_bytes,
             self._start_soon,
         )
@@ -145,8 +145,10 @@ class EngineHarness:
             raise AssertionError(f"{self.name} made {engine!r}, not a TransferEngine")
         self.name = f"engine {engine.name!r}"
         methods = engine.methods()
-        if not isinstance(methods, tuple) or not methods or not all(
-            isinstance(m, str) for m in methods
+        if (
+            not isinstance(methods, tuple)
+            or not methods
+            or not all(isinstance(m, str) for m in methods)
         ):
             raise AssertionError(f"{self.name}: methods() must be a non-empty tuple of str")
         if method != "auto" and method not in methods:
@@ -174,8 +176,15 @@ class EngineHarness:
         expected: BaseException | None = None,
     ) -> TransferJob:
         transfer = Transfer(direction, len(gpu_ids), len(gpu_ids) * self.hbb)
-        job = TransferJob(transfer, gpu_ids, cpu_ids, method, ready=ready, reserve=reserve,
-                          on_finish=self._on_finish)
+        job = TransferJob(
+            transfer,
+            gpu_ids,
+            cpu_ids,
+            method,
+            ready=ready,
+            reserve=reserve,
+            on_finish=self._on_finish,
+        )
         self.records[job] = _Record(job, expected)
         return job
 
@@ -249,9 +258,7 @@ class EngineHarness:
             error = record.reports[0][1]
             if error is not record.expected:
                 if record.expected is None:
-                    raise AssertionError(
-                        f"{self.name}: {what} failed: {error!r}"
-                    ) from error
+                    raise AssertionError(f"{self.name}: {what} failed: {error!r}") from error
                 raise AssertionError(
                     f"{self.name}: {what} was reported with {error!r}, not with the error "
                     f"raised: {record.expected!r}"

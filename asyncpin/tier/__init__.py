@@ -11,13 +11,15 @@ hand its host block ids to the workers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from asyncpin._router import check_arrays
 from asyncpin.errors import ConfigError, InvalidTransferError
 from asyncpin.manager import OffloadManager
 from asyncpin.tier.index import BlockEvent, BlockHash, BlockIndex, IndexStats, StorePlan
@@ -31,6 +33,7 @@ __all__ = [
     "BlockIndex",
     "IndexStats",
     "KVTier",
+    "LayerLoad",
     "StorePlan",
     "TierStore",
 ]
@@ -47,6 +50,36 @@ class TierStore:
     @property
     def skipped(self) -> tuple[BlockHash, ...]:
         return self.plan.skipped
+
+
+class LayerLoad:
+    """One ``KVTier.load_layers``: a transfer per group of arrays, queued in order, so
+    that the model can run layer 0 while later layers are still on their way.
+
+    ``transfers[i]`` moves the arrays ``groups[i]``; on CUDA its ``event`` is recorded
+    when that group is in place (``torch.cuda.current_stream().wait_event(...)`` before
+    the layer runs). ``await load`` returns once every group is done, and raises the
+    first failure."""
+
+    __slots__ = ("groups", "transfers")
+
+    def __init__(self, groups: tuple[range, ...], transfers: tuple[Transfer, ...]) -> None:
+        self.groups = groups
+        self.transfers = transfers
+
+    def done(self) -> bool:
+        return all(t.done() for t in self.transfers)
+
+    async def wait(self) -> None:
+        for transfer in self.transfers:
+            await transfer
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self.wait().__await__()
+
+    def __repr__(self) -> str:
+        done = sum(t.done() for t in self.transfers)
+        return f"<LayerLoad {done}/{len(self.transfers)} groups done>"
 
 
 class KVTier:
@@ -109,6 +142,50 @@ class KVTier:
         transfer.add_done_callback(lambda t: self.index.end_load(keys, host))
         return transfer
 
+    def load_layers(
+        self,
+        hashes: Sequence[BlockHash],
+        gpu_block_ids: BlockIds,
+        groups: Sequence[range] | None = None,
+        *,
+        method: Method = "auto",
+    ) -> LayerLoad:
+        """``load``, one transfer per group of arrays (ranges of consecutive arrays; by
+        default ``layout.tensor_arrays``: one group per tensor the layout was made from,
+        a layer's K and V say), queued in order. The blocks are kept from eviction until
+        every group is done. Bad input raises InvalidTransferError, nothing queued."""
+        layout = self.manager.kv_layout
+        assert layout is not None
+        if groups is None:
+            groups = layout.tensor_arrays
+        if isinstance(groups, range) or not groups:
+            raise InvalidTransferError("groups is a non-empty sequence of ranges of arrays")
+        ranges = tuple(groups)
+        for group in ranges:
+            check_arrays(group, layout.num_arrays)
+        gpu = self._ids(hashes, gpu_block_ids)
+        keys = list(hashes)
+        host = self.index.begin_load(keys)
+        transfers: list[Transfer] = []
+        left = [0]
+
+        def one_done(_: Transfer) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self.index.end_load(keys, host)
+
+        try:
+            for group in ranges:
+                transfers.append(self.manager.load(host, gpu, method=method, arrays=group))
+        finally:
+            # The blocks stay protected until every transfer queued so far is over.
+            left[0] = len(transfers)
+            if not transfers:
+                self.index.end_load(keys, host)
+            for transfer in transfers:
+                transfer.add_done_callback(one_done)
+        return LayerLoad(ranges, tuple(transfers))
+
     def touch(self, hashes: Iterable[BlockHash]) -> None:
         self.index.touch(hashes)
 
@@ -123,9 +200,7 @@ class KVTier:
         self.index.add_listener(listener)
 
     @contextmanager
-    def subscribe(
-        self, max_buffer: int = 1024
-    ) -> Iterator[MemoryObjectReceiveStream[BlockEvent]]:
+    def subscribe(self, max_buffer: int = 1024) -> Iterator[MemoryObjectReceiveStream[BlockEvent]]:
         """The events as an async iterator: ``with tier.subscribe() as events: async for
         event in events: ...`` (from a task of its own, say). Up to ``max_buffer`` events
         wait for the reader; past that, new ones are dropped and counted in

@@ -270,9 +270,7 @@ class BlockIndex:
 
     def _evictable(self, key: Hashable) -> bool:
         entry = self._entries.get(cast(BlockHash, key))
-        return (
-            entry is not None and entry.ready and entry.readers == 0 and key not in self._keep
-        )
+        return entry is not None and entry.ready and entry.readers == 0 and key not in self._keep
 
     # -- loads ----------------------------------------------------------------------------
 

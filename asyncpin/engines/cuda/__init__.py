@@ -63,11 +63,11 @@ class CudaTransferEngine:
 
         self._rt = Runtime()
         ptrs = [a.data_ptr() for a in layout.arrays]
-        strides = [a.stride(0) * layout.dtype.itemsize for a in layout.arrays]
+        strides = [a.stride(0) * a.dtype.itemsize for a in layout.arrays]
         self._plan = AddressPlan(
             array_ptrs=ptrs,
             array_strides=strides,
-            block_bytes=layout.block_bytes,
+            array_bytes=layout.array_block_bytes,
             host_base=host_blocks.data_ptr(),
             chunk_bytes=setup.chunk_bytes,
         )
@@ -78,14 +78,13 @@ class CudaTransferEngine:
         self._misaligned = kernel_misalignment(
             array_ptrs=ptrs,
             array_strides=strides,
-            block_bytes=layout.block_bytes,
-            num_arrays=layout.num_arrays,
+            array_bytes=layout.array_block_bytes,
             host_bases=[self._plan.host_base],
         )
         if kernel is not None and self._misaligned is not None:
             _log.warning("transfer.kernel_disabled", reason=self._misaligned, fallback="batch")
         self._copies = CopyMethods(
-            self._rt, layout, self._plan, kernel if self._misaligned is None else None
+            self._rt, self._plan, kernel if self._misaligned is None else None
         )
         self._fallbacks_logged: set[str] = set()
         self._lanes: dict[Direction, Lane] = {}  # made by prepare()
@@ -115,7 +114,11 @@ class CudaTransferEngine:
             copies.to_device(self._device)
             for d in ("store", "load"):
                 lane = Lane(rt, self._device, max_ids[d] if copies.kernel else 0)
-                if copies.kernel is not None and layout.block_bytes < BATCH_MIN_BLOCK_BYTES:
+                whole = self._plan.all_arrays
+                if (
+                    copies.kernel is not None
+                    and self._plan.mean_block_bytes(whole) < BATCH_MIN_BLOCK_BYTES
+                ):
                     lane.allocate_staging(rt, layout.host_block_bytes)  # pack is the default
                 self._lanes[d] = lane
             if copies.kernel is None:
@@ -146,11 +149,12 @@ class CudaTransferEngine:
                 fallback="batch",
                 reason=self._misaligned,
             )
+        arrays = job.arrays or self._plan.all_arrays
         return choose_method(
             job.method,
             num_blocks=job.transfer.num_blocks,
-            num_arrays=self._layout.num_arrays,
-            block_bytes=self._layout.block_bytes,
+            num_arrays=len(arrays),
+            block_bytes=self._plan.mean_block_bytes(arrays),
             pageable=pageable,
             kernel_usable=kernel_usable,
             staged=lambda: self._staged(job),
@@ -195,7 +199,7 @@ class CudaTransferEngine:
             self._submitter.busy()
             or (
                 self.thread_stores
-                and not is_small(job.transfer.num_blocks, self._layout.num_arrays)
+                and not is_small(job.transfer.num_blocks, len(job.arrays or self._plan.all_arrays))
                 and not self._completion.starved()
             )
         ):

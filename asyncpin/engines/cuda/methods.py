@@ -35,7 +35,6 @@ from asyncpin.engines.cuda.plan import (
     pack_slots,
 )
 from asyncpin.gate import outside_captures
-from asyncpin.kv import KVLayout
 from asyncpin.transfers import TransferJob
 
 __all__ = ["KERNEL_CTAS", "CopyMethods", "load_kernel", "on_device"]
@@ -68,21 +67,23 @@ class CopyMethods:
     kernel where the layout may run it, else None (then only ``batch`` and ``pageable``
     are called)."""
 
-    def __init__(self, rt: Runtime, layout: KVLayout, plan: AddressPlan, kernel: Any) -> None:
+    def __init__(self, rt: Runtime, plan: AddressPlan, kernel: Any) -> None:
         self._rt = rt
-        self._layout = layout
         self._plan = plan
         self.kernel = kernel
         # The array table on the device, for the copy kernel: to_device() at prepare.
-        self._ptrs = self._strides = torch.empty(0, dtype=torch.int64)
+        self._tables: tuple[torch.Tensor, ...] = ()
 
     def to_device(self, device: torch.device) -> None:
-        self._ptrs = self._plan.ptrs_cpu.to(device)
-        self._strides = self._plan.strides_cpu.to(device)
+        plan = self._plan
+        words = plan.bytes_cpu // KERNEL_WORD
+        self._tables = tuple(
+            t.to(device) for t in (plan.ptrs_cpu, plan.strides_cpu, words, plan.offsets_cpu)
+        )
 
     def release(self) -> None:
         """Device memory back to torch's allocator (at close)."""
-        self._ptrs = self._strides = torch.empty(0, dtype=torch.int64)
+        self._tables = ()
 
     # -- ordering -----------------------------------------------------------------------
 
@@ -110,11 +111,11 @@ class CopyMethods:
     def batch(self, job: TransferJob, lane: Lane) -> torch.cuda.Stream:
         to_host = job.transfer.direction == "store"
         plan = self._plan
-        size = plan.block_bytes
-        if is_small(job.transfer.num_blocks, plan.num_arrays):
+        arrays = job.arrays or plan.all_arrays
+        if is_small(job.transfer.num_blocks, len(arrays)):
             stream = lane.dma[0]
             self.start(stream, job, lane)
-            host, device, sizes = plan.small_segments(job.gpu_ids, job.cpu_ids)
+            host, device, sizes = plan.small_segments(job.gpu_ids, job.cpu_ids, arrays)
             addresses = [array.array("Q", a) for a in (host, device, sizes)]
             dst, src = (addresses[0], addresses[1]) if to_host else (addresses[1], addresses[0])
             self._rt.copy_segments(dst, src, addresses[2], stream.cuda_stream)
@@ -124,13 +125,12 @@ class CopyMethods:
         # the driver starts copying while it is still in it: a second stream would only
         # start after the first call returns. Large segments use both DMA streams (up to
         # 64 segments, whatever their size, take the one-stream small path above).
-        streams = lane.dma if size >= BATCH_MIN_BLOCK_BYTES else lane.dma[:1]
+        large = plan.mean_block_bytes(arrays) >= BATCH_MIN_BLOCK_BYTES
+        streams = lane.dma if large else lane.dma[:1]
         for stream in streams:
             self.start(stream, job, lane)
-        dev, hst = plan.segments(job.gpu_ids, job.cpu_ids)
-        job.keep += self.copy_host(
-            hst, dev, torch.full_like(dev, size), to_host=to_host, streams=streams
-        )
+        dev, hst, lengths = plan.segments(job.gpu_ids, job.cpu_ids, arrays)
+        job.keep += self.copy_host(hst, dev, lengths, to_host=to_host, streams=streams)
         return self.join(lane)
 
     def copy_host(
@@ -167,8 +167,7 @@ class CopyMethods:
         drained, so nothing the copy touches is released early."""
         try:
             stream.wait_event(job.ready)
-            device, host = self._plan.segments(job.gpu_ids, job.cpu_ids)
-            sizes = torch.full_like(device, self._plan.block_bytes)
+            device, host, sizes = self._plan.segments(job.gpu_ids, job.cpu_ids, job.arrays)
             job.keep += self.copy_host(
                 host, device, sizes, to_host=job.transfer.direction == "store", streams=[stream]
             )
@@ -201,23 +200,39 @@ class CopyMethods:
             return ids.copy_(pinned.view(2, n), non_blocking=True)
 
     def launch(
-        self, ids: torch.Tensor, host_base: int, *, to_host: bool, ctas: int, count: int = -1
+        self,
+        ids: torch.Tensor,
+        host_base: int,
+        *,
+        to_host: bool,
+        ctas: int,
+        arrays: range | None = None,
+        slot: bool = False,
+        count: int = -1,
     ) -> None:
-        """The copy kernel on the current torch stream: block ``ids[0, i]`` of every array
-        to or from slot ``ids[1, i]`` of a block-major buffer at ``host_base`` (``count``
-        blocks: all of ``ids`` by default)."""
-        layout = self._layout
+        """The copy kernel on the current torch stream: block ``ids[0, i]`` of each array
+        of ``arrays`` (all by default) to or from host block ``ids[1, i]`` of the region at
+        ``host_base``, or (``slot``) to or from slot ``ids[1, i]`` of a staging buffer at
+        ``host_base`` whose slots hold the arrays' span; ``count`` blocks (all of ``ids``
+        by default)."""
+        plan = self._plan
         assert self.kernel is not None
-        n_segments = (ids.shape[1] if count < 0 else count) * layout.num_arrays
+        arrays = plan.all_arrays if arrays is None else arrays
+        if slot:
+            offset, stride = plan.span(arrays)
+            host_base -= offset  # the span's first array lies at the slot's start
+        else:
+            stride = plan.host_block_bytes
+        n_segments = (ids.shape[1] if count < 0 else count) * len(arrays)
         self.kernel[(max(min(ctas, n_segments), 1),)](
             ids[0],
             ids[1],
-            self._ptrs,
-            self._strides,
+            *self._tables,
             host_base,
+            stride,
+            arrays.start,
             n_segments,
-            layout.num_arrays,
-            layout.block_bytes // KERNEL_WORD,
+            len(arrays),
             TO_HOST=to_host,
             BLOCK=512,
         )
@@ -228,7 +243,11 @@ class CopyMethods:
         with torch.cuda.stream(lane.kernel):
             ids = self.ids_on_device(lane, job.gpu_ids, job.cpu_ids)
             self.launch(
-                ids, self._plan.host_base, to_host=direction == "store", ctas=KERNEL_CTAS[direction]
+                ids,
+                self._plan.host_base,
+                to_host=direction == "store",
+                ctas=KERNEL_CTAS[direction],
+                arrays=job.arrays,
             )
         return lane.kernel
 
@@ -244,7 +263,8 @@ class CopyMethods:
         self.start(kernel, job, lane)
         buffer = lane.staging
         assert buffer is not None  # allocated when the job was submitted (_staged)
-        per_piece = buffer.shape[1] // plan.host_block_bytes
+        arrays = job.arrays or plan.all_arrays
+        per_piece = buffer.shape[1] // plan.span(arrays)[1]
         n = job.transfer.num_blocks
         if not store:
             # A load's DMAs read host blocks that work on the caller's stream may still
@@ -255,7 +275,11 @@ class CopyMethods:
             # The slot of block i: i % per_piece.
             ids = self.ids_on_device(lane, job.gpu_ids, pack_slots(n, per_piece))
             pieces = plan.pack_pieces(
-                job.cpu_ids, per_piece=per_piece, halves=lane.halves, first_half=lane.half
+                job.cpu_ids,
+                per_piece=per_piece,
+                halves=lane.halves,
+                first_half=lane.half,
+                arrays=arrays,
             )
             for piece in pieces:
                 lane.half = piece.half ^ 1
@@ -268,7 +292,9 @@ class CopyMethods:
                     # stream waits for the other.
                     for event in free:
                         rt.wait(kernel.cuda_stream, event)
-                    self.launch(piece_ids, staging, to_host=True, ctas=_PACK_CTAS)
+                    self.launch(
+                        piece_ids, staging, to_host=True, ctas=_PACK_CTAS, arrays=arrays, slot=True
+                    )
                     rt.record(lane.step, kernel.cuda_stream)
                     for k, (host, local, sizes) in enumerate(ranges):
                         rt.wait(dma[k].cuda_stream, lane.step)
@@ -280,7 +306,9 @@ class CopyMethods:
                         rt.copy_segments(local, host, sizes, dma[k].cuda_stream)
                         rt.record(lane.moved[k], dma[k].cuda_stream)
                         rt.wait(kernel.cuda_stream, lane.moved[k])
-                    self.launch(piece_ids, staging, to_host=False, ctas=_PACK_CTAS)
+                    self.launch(
+                        piece_ids, staging, to_host=False, ctas=_PACK_CTAS, arrays=arrays, slot=True
+                    )
                     for event in free:
                         rt.record(event, kernel.cuda_stream)
         return self.join(lane) if store else kernel

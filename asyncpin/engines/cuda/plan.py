@@ -56,27 +56,28 @@ def kernel_misalignment(
     *,
     array_ptrs: Sequence[int],
     array_strides: Sequence[int],
-    block_bytes: int,
-    num_arrays: int,
+    array_bytes: Sequence[int],
     host_bases: Sequence[int],
     word: int = KERNEL_WORD,
 ) -> str | None:
     """Why the copy kernel must not run on this layout, or None when it may.
 
     The kernel reads and writes ``word``-byte words at ``array_ptrs[a] + g *
-    array_strides[a] + k * word`` on the device and ``base + (c * num_arrays + a) *
-    block_bytes + k * word`` on the host side (``base``: the pinned region, or a pack
-    staging half), for any block ``g``, host block or slot ``c``, array ``a``. Every one
-    is a multiple of ``word`` exactly when each term is: each array's base address and
-    block stride (bytes), the block size (so that a block is whole words and host blocks,
-    ``num_arrays * block_bytes`` apart, and staging slots start on one), and each host
-    base. A pure function of addresses, so that it is tested without a GPU."""
-    checks: list[tuple[str, int]] = [
-        ("block size", block_bytes),
-        ("host block size", block_bytes * num_arrays),
-    ]
-    for a, (ptr, stride) in enumerate(zip(array_ptrs, array_strides, strict=True)):
+    array_strides[a] + k * word`` on the device and ``base + c * stride + offset[a] + k *
+    word`` on the host side (``base``: the pinned region, or a pack staging half;
+    ``stride``: the host block, or a staging slot of a range of arrays; ``offset[a]``: the
+    sum of the block sizes of the arrays before ``a``), for any block ``g``, host block or
+    slot ``c``, array ``a``. Every one is a multiple of ``word`` exactly when each term
+    is: each array's base address, block stride (bytes) and block size (so that blocks
+    are whole words, and the offsets and strides above, sums of block sizes, are too),
+    and each host base. A pure function of addresses, so that it is tested without a
+    GPU."""
+    checks: list[tuple[str, int]] = []
+    for a, (ptr, stride, size) in enumerate(
+        zip(array_ptrs, array_strides, array_bytes, strict=True)
+    ):
         checks += [
+            (f"array {a}'s block size", size),
             (f"device array {a}'s address", ptr),
             (f"device array {a}'s block stride", stride),
         ]
@@ -140,71 +141,104 @@ class PackPiece:
 class AddressPlan:
     """The addresses of one layout over one host region: segments, chunk cuts, pack DMAs.
 
-    Segment ``(g, a)`` (device block ``g`` of array ``a``) lies at ``array_ptrs[a] + g *
-    array_strides[a]`` on the device; host block ``c``'s copy of it at ``host_base + (c *
-    num_arrays + a) * block_bytes`` (block-major)."""
+    Segment ``(g, a)`` (device block ``g`` of array ``a``, ``array_bytes[a]`` bytes) lies
+    at ``array_ptrs[a] + g * array_strides[a]`` on the device; host block ``c``'s copy of
+    it at ``host_base + c * host_block_bytes + offsets[a]`` (block-major: every array's
+    block back to back, in order). A job may move a range of consecutive arrays only: its
+    part of a host block is then one span, ``span(arrays)``."""
 
     def __init__(
         self,
         *,
         array_ptrs: Sequence[int],
         array_strides: Sequence[int],
-        block_bytes: int,
+        array_bytes: Sequence[int],
         host_base: int,
         chunk_bytes: int,
     ) -> None:
         self.num_arrays = len(array_ptrs)
-        self.block_bytes = block_bytes
-        self.host_block_bytes = block_bytes * self.num_arrays
+        self.array_bytes = list(array_bytes)
+        self.offsets = [sum(self.array_bytes[:a]) for a in range(self.num_arrays)]
+        self.host_block_bytes = sum(self.array_bytes)
+        self.all_arrays = range(self.num_arrays)
         self.host_base = host_base
         self.chunk_bytes = chunk_bytes
         # Host blocks start at the region's start, as chunks do: no block crosses a
         # registration boundary when blocks tile chunks.
         self.blocks_tile_chunks = chunk_bytes % self.host_block_bytes == 0
         # The same table two ways: python (small transfers) and CPU tensors.
-        self._arrays = list(zip(array_ptrs, array_strides, strict=True))
-        self._offsets = [a * block_bytes for a in range(self.num_arrays)]
+        self._arrays = list(
+            zip(array_ptrs, array_strides, self.offsets, self.array_bytes, strict=True)
+        )
         self.ptrs_cpu = torch.tensor(list(array_ptrs), dtype=torch.int64)
         self.strides_cpu = torch.tensor(list(array_strides), dtype=torch.int64)
-        self._arange_arrays = torch.arange(self.num_arrays, dtype=torch.int64)
+        self.offsets_cpu = torch.tensor(self.offsets, dtype=torch.int64)
+        self.bytes_cpu = torch.tensor(self.array_bytes, dtype=torch.int64)
+
+    def span(self, arrays: range) -> tuple[int, int]:
+        """``(offset, nbytes)`` of a range of arrays within a host block."""
+        return self.offsets[arrays.start], sum(self.array_bytes[arrays.start : arrays.stop])
+
+    def mean_block_bytes(self, arrays: range) -> int:
+        """The mean size of a segment of ``arrays`` (what the choice of method goes by)."""
+        return self.span(arrays)[1] // len(arrays)
 
     # -- segments ---------------------------------------------------------------------
 
     @overload
     def segments(
-        self, gpu_ids: list[int], cpu_ids: list[int], *, tensors: Literal[True] = ...
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+        self,
+        gpu_ids: list[int],
+        cpu_ids: list[int],
+        arrays: range | None = ...,
+        *,
+        tensors: Literal[True] = ...,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
     @overload
     def segments(
-        self, gpu_ids: list[int], cpu_ids: list[int], *, tensors: Literal[False]
-    ) -> tuple[list[int], list[int]]: ...
+        self,
+        gpu_ids: list[int],
+        cpu_ids: list[int],
+        arrays: range | None = ...,
+        *,
+        tensors: Literal[False],
+    ) -> tuple[list[int], list[int], list[int]]: ...
 
     def segments(
-        self, gpu_ids: list[int], cpu_ids: list[int], *, tensors: bool = True
-    ) -> tuple[list[int], list[int]] | tuple[torch.Tensor, torch.Tensor]:
-        """Device and host addresses of every (block, array) segment, block by block: as
-        int64 CPU tensors, or (``tensors=False``, for small jobs: a torch op costs
-        microseconds) as plain lists."""
+        self,
+        gpu_ids: list[int],
+        cpu_ids: list[int],
+        arrays: range | None = None,
+        *,
+        tensors: bool = True,
+    ) -> tuple[list[int], list[int], list[int]] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Device addresses, host addresses and sizes of every (block, array) segment of
+        ``arrays`` (all by default), block by block: as int64 CPU tensors, or
+        (``tensors=False``, for small jobs: a torch op costs microseconds) as plain
+        lists."""
+        arrays = self.all_arrays if arrays is None else arrays
         if not tensors:
             base, block = self.host_base, self.host_block_bytes
-            device = [p + g * stride for g in gpu_ids for p, stride in self._arrays]
-            host = [base + c * block + off for c in cpu_ids for off in self._offsets]
-            return device, host
+            table = self._arrays[arrays.start : arrays.stop]
+            device = [p + g * stride for g in gpu_ids for p, stride, _, _ in table]
+            host = [base + c * block + off for c in cpu_ids for _, _, off, _ in table]
+            return device, host, [size for _ in cpu_ids for _, _, _, size in table]
+        part = slice(arrays.start, arrays.stop)
         g = torch.tensor(gpu_ids, dtype=torch.int64)[:, None]
         c = torch.tensor(cpu_ids, dtype=torch.int64)[:, None]
-        device_t = (self.ptrs_cpu[None, :] + g * self.strides_cpu[None, :]).reshape(-1)
+        device_t = (self.ptrs_cpu[None, part] + g * self.strides_cpu[None, part]).reshape(-1)
         host_t = (
-            self.host_base + (c * self.num_arrays + self._arange_arrays[None, :]) * self.block_bytes
+            self.host_base + c * self.host_block_bytes + self.offsets_cpu[None, part]
         ).reshape(-1)
-        return device_t, host_t
+        sizes = self.bytes_cpu[part].repeat(len(cpu_ids))
+        return device_t, host_t, sizes
 
     def small_segments(
-        self, gpu_ids: list[int], cpu_ids: list[int]
+        self, gpu_ids: list[int], cpu_ids: list[int], arrays: range | None = None
     ) -> tuple[list[int], list[int], list[int]]:
         """A small job's (host, device, sizes) lists, cut at chunk boundaries."""
-        device, host = self.segments(gpu_ids, cpu_ids, tensors=False)
-        sizes = [self.block_bytes] * len(host)
+        device, host, sizes = self.segments(gpu_ids, cpu_ids, arrays, tensors=False)
         if self.blocks_tile_chunks:
             return host, device, sizes
         return self.cut(host, device, sizes)
@@ -248,16 +282,20 @@ class AddressPlan:
 
     # -- pack -------------------------------------------------------------------------
 
-    def piece_dmas(self, cpu_ids: list[int], staging: int) -> StreamDmas:
+    def piece_dmas(
+        self, cpu_ids: list[int], staging: int, arrays: range | None = None
+    ) -> StreamDmas:
         """The DMAs of one pack piece, as (host, staging, sizes) address arrays for each
-        of the two DMA streams: one DMA per run of consecutive host blocks, never across
+        of the two DMA streams: one DMA per run of consecutive host blocks (each block's
+        span of ``arrays``, all by default, to a staging slot of that size), never across
         a registration (chunk) boundary, dealt alternately to the streams."""
-        size, base, chunk = self.host_block_bytes, self.host_base, self.chunk_bytes
+        offset, size = self.span(self.all_arrays if arrays is None else arrays)
+        step, base, chunk = self.host_block_bytes, self.host_base, self.chunk_bytes
         host: list[int] = []
         local: list[int] = []
         sizes: list[int] = []
         for j, c in enumerate(cpu_ids):
-            h = base + c * size
+            h = base + c * step + offset
             # Blocks that tile chunks cross no boundary; a run is not merged across a
             # chunk's start.
             if host and h == host[-1] + sizes[-1] and (h - base) % chunk:
@@ -266,7 +304,7 @@ class AddressPlan:
                 host.append(h)
                 local.append(staging + j * size)
                 sizes.append(size)
-        if not self.blocks_tile_chunks:
+        if not self.blocks_tile_chunks:  # a span lies within its block
             host, local, sizes = self.cut(host, local, sizes)
         return [
             (
@@ -278,7 +316,13 @@ class AddressPlan:
         ]
 
     def pack_pieces(
-        self, cpu_ids: list[int], *, per_piece: int, halves: Sequence[int], first_half: int
+        self,
+        cpu_ids: list[int],
+        *,
+        per_piece: int,
+        halves: Sequence[int],
+        first_half: int,
+        arrays: range | None = None,
     ) -> Iterator[PackPiece]:
         """A pack job's pieces in order, through the two staging halves (addresses
         ``halves``) in turn from ``first_half``. Lazy: a piece's DMAs are planned in plain
@@ -287,5 +331,5 @@ class AddressPlan:
         half = first_half
         for lo in range(0, len(cpu_ids), per_piece):
             piece = cpu_ids[lo : lo + per_piece]
-            yield PackPiece(lo, len(piece), half, self.piece_dmas(piece, halves[half]))
+            yield PackPiece(lo, len(piece), half, self.piece_dmas(piece, halves[half], arrays))
             half ^= 1

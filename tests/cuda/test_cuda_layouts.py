@@ -1,0 +1,92 @@
+"""KV layouts engines really use, on a real GPU (`pytest -m cuda`): every method moves
+every array's blocks byte for byte (HND views, mixed block sizes and dtypes, odd sizes),
+a range of arrays alone, and a layer-wise load's groups each with an event that orders
+compute after that group only. No kernel variant is compiled after open, whatever range
+of arrays a transfer moves."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from asyncpin import KVLayout, OffloadManager
+from asyncpin.tier import KVTier
+from tests.layouts import CASES, build, round_trip
+
+pytestmark = [pytest.mark.cuda, pytest.mark.anyio]
+
+TIMEOUT_S = 60
+BLOCKS, HOST_BLOCKS = 96, 80
+METHODS = ["batch", "pack", "kernel"]
+
+
+@pytest.mark.parametrize("n", [5, 40], ids=["small", "large"])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("case", sorted(CASES))
+async def test_every_layout_round_trips_by_every_method(case: str, method: Any, n: int) -> None:
+    layout = build(case, BLOCKS, "cuda", seed=n)
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend="cuda") as mgr:
+            await mgr.pinned
+            await round_trip(mgr, layout, n, method=method, seed=n)
+            probe = mgr.store([0], [0], method=method)
+            await probe
+            if case == "odd_bytes":  # blocks not in 8-byte words: DMA only
+                assert probe.method == "batch"
+
+
+async def test_layer_groups_each_have_an_event_that_orders_compute() -> None:
+    """A load of 32 layers in groups: each group's event, waited on by the compute stream,
+    makes that layer's blocks readable there, with no host-side wait."""
+    layers, blocks = 32, 256
+    kv = [
+        torch.randn(2, blocks, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(layers)
+    ]
+    layout = KVLayout.from_tensors(kv, block_dim=1)
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, blocks, backend="cuda") as mgr:
+            await mgr.pinned
+            tier = KVTier(mgr)
+            hashes = list(range(1000, 1000 + 128))
+            await tier.store(hashes, list(range(128))).transfer
+            expected = [t[:, :128].clone() for t in kv]
+            for t in kv:
+                t.zero_()
+            dest = list(range(128, 256))
+            compute = torch.cuda.Stream()
+            load = tier.load_layers(hashes, dest)
+            assert len(load.transfers) == layers
+            sums = []
+            with torch.cuda.stream(compute):
+                for i, transfer in enumerate(load.transfers):
+                    assert transfer.event is not None
+                    compute.wait_event(transfer.event)
+                    sums.append(torch.equal(kv[i][:, 128:], expected[i]))
+            await load
+            compute.synchronize()
+            assert all(sums)
+
+
+async def test_no_kernel_variant_is_compiled_after_open_for_any_range() -> None:
+    from asyncpin._kernels import kv_copy
+
+    caches = getattr(kv_copy, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps its compiled kernels elsewhere")
+    compiled = caches[torch.cuda.current_device()][0]
+    layout = build("mla_indexer", 256, "cuda")
+    rng = random.Random(0)
+    async with OffloadManager.for_kv(layout, 256, backend="cuda") as mgr:
+        await mgr.pinned
+        after_open = len(compiled)
+        for n in (1, 17, 65, 255):
+            for method in ("pack", "kernel"):
+                for arrays in (range(0, 4), range(1, 2), range(1, 4), range(3, 4)):
+                    gpu, cpu = rng.sample(range(256), n), rng.sample(range(256), n)
+                    await mgr.store(gpu, cpu, method=method, arrays=arrays)
+                    await mgr.load(cpu, gpu, method=method, arrays=arrays)
+        assert len(compiled) == after_open

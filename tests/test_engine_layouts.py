@@ -1,0 +1,178 @@
+"""KV layouts engines really use, through the host engine (asyncio and trio): FlashInfer's
+HND view, K and V of different head sizes, MLA beside an fp8 indexer, hybrid attention,
+blocks of odd sizes. Every array's blocks round-trip byte for byte in one id space, and a
+range of arrays moves alone. Bad ranges are refused with nothing enqueued."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from asyncpin import ConfigError, InvalidTransferError, OffloadManager
+from asyncpin.testing import FakeBackend
+from asyncpin.tier import KVTier
+from tests.layouts import CASES, block_bytes, build, randomize_arrays, round_trip
+
+pytestmark = pytest.mark.anyio
+
+TIMEOUT_S = 10
+BLOCKS, HOST_BLOCKS = 12, 10
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+async def test_every_layout_round_trips(case: str) -> None:
+    layout = build(case, BLOCKS, "cpu")
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            await round_trip(mgr, layout, 6)
+
+
+def test_an_hnd_view_is_taken_and_its_blocks_are_its_memory() -> None:
+    layout = build("flashinfer_hnd", BLOCKS, "cpu")
+    array = layout.arrays[0]
+    assert not array[0].is_contiguous()  # the view: refused before
+    physical = array.permute(0, 1, 3, 2, 4)  # back to [blocks, 2, heads, tokens, dim]
+    assert torch.equal(
+        block_bytes(layout, 0, 5), physical[5].contiguous().view(torch.uint8).flatten()
+    )
+
+
+def test_heterogeneous_layouts_describe_each_array() -> None:
+    layout = build("mla_indexer", BLOCKS, "cpu")
+    assert not layout.uniform
+    assert layout.array_block_bytes == (576, 136, 576, 136)
+    assert layout.array_offsets == (0, 576, 712, 1288)
+    assert layout.host_block_bytes == 1424
+    assert layout.tensor_arrays == (range(0, 1), range(1, 2), range(2, 3), range(3, 4))
+    for what in ("block_shape", "dtype", "block_bytes"):
+        with pytest.raises(ConfigError, match="differ"):
+            getattr(layout, what)
+    joined = build("joined", BLOCKS, "cpu")
+    assert joined.uniform and joined.tensor_arrays == (range(0, 2), range(2, 4))
+
+
+@pytest.mark.parametrize("case", ["mla_indexer", "hybrid", "flashinfer_hnd"])
+async def test_host_array_views_read_what_was_stored(case: str) -> None:
+    layout = build(case, BLOCKS, "cpu")
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            await mgr.store([3, 7], [9, 0])
+            for a, array in enumerate(layout.arrays):
+                view = mgr.host_array(a)
+                assert view.shape == (HOST_BLOCKS, *layout.array_shapes[a])
+                # Compared as bytes: fp8 and random float patterns (NaN) included.
+                assert torch.equal(
+                    view[9].contiguous().view(torch.uint8), array[3].contiguous().view(torch.uint8)
+                )
+                assert torch.equal(
+                    view[0].contiguous().view(torch.uint8), array[7].contiguous().view(torch.uint8)
+                )
+            if not layout.uniform:
+                with pytest.raises(ConfigError, match="differ"):
+                    mgr.host_blocks()
+            for bad in (-1, layout.num_arrays, True, "0"):
+                with pytest.raises(ConfigError):
+                    mgr.host_array(bad)  # type: ignore[arg-type]
+
+
+async def test_a_misaligned_array_is_read_as_bytes() -> None:
+    layout = build("odd_bytes", BLOCKS, "cpu")  # a float16 array 15 bytes into a block
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            assert mgr.host_array(0).shape == (HOST_BLOCKS, 3, 5)
+            with pytest.raises(ConfigError, match="bytes"):
+                mgr.host_array(1)
+            assert mgr.host_bytes().shape == (HOST_BLOCKS, 29)
+
+
+@pytest.mark.parametrize(
+    "arrays",
+    [range(0), range(0, 4, 2), range(3, 1, -1), range(-1, 1), range(2, 5), [0, 1], slice(0, 1), 1],
+    ids=repr,
+)
+async def test_a_bad_range_of_arrays_is_refused_with_nothing_enqueued(arrays: object) -> None:
+    layout = build("joined", BLOCKS, "cpu")  # 4 arrays
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            for submit in (mgr.store, mgr.load):
+                with pytest.raises(InvalidTransferError, match="arrays"):
+                    submit([0], [0], arrays=arrays)  # type: ignore[arg-type]
+            stats = mgr.stats()
+            assert (stats.transfers_stored, stats.transfers_loaded) == (0, 0)
+
+
+async def test_a_range_of_arrays_counts_its_bytes() -> None:
+    layout = build("mla_indexer", BLOCKS, "cpu")
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            part = mgr.store([1, 2], [1, 2], arrays=range(1, 3))
+            whole = mgr.store([1, 2], [3, 4], arrays=range(0, 4))
+            await part
+            await whole
+            assert part.nbytes == 2 * (136 + 576) and whole.nbytes == 2 * 1424
+
+
+class TestLayerLoads:
+    """``KVTier.load_layers``: one transfer per group, in order, the blocks protected
+    until the last is done."""
+
+    async def test_groups_load_their_arrays_and_release_the_blocks_at_the_end(self) -> None:
+        layout = build("joined", BLOCKS, "cpu")
+        with anyio.fail_after(TIMEOUT_S):
+            async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+                await mgr.pinned
+                tier = KVTier(mgr)
+                await tier.store([1, 2, 3], [4, 5, 6]).transfer
+                kept = [raw[[4, 5, 6]].clone() for raw in layout.byte_arrays()]
+                randomize_arrays(layout, 9)
+                load = tier.load_layers([1, 2, 3], [0, 1, 2])
+                assert load.groups == layout.tensor_arrays == (range(0, 2), range(2, 4))
+                assert [t.nbytes for t in load.transfers] == [3 * 2 * 128] * 2
+                await load
+                assert load.done()
+                for a, raw in enumerate(layout.byte_arrays()):
+                    assert torch.equal(raw[[0, 1, 2]], kept[a])
+                # Nothing is protected any more: a full store may evict all three.
+                stored = tier.store(list(range(100, 100 + HOST_BLOCKS)), list(range(HOST_BLOCKS)))
+                await stored.transfer
+                assert stored.skipped == () and tier.lookup([1]) == 0
+
+    async def test_blocks_stay_protected_until_every_group_is_done(self) -> None:
+        layout = build("joined", BLOCKS, "cpu")
+        with anyio.fail_after(TIMEOUT_S):
+            async with OffloadManager.for_kv(layout, 2, backend=FakeBackend()) as mgr:
+                await mgr.pinned
+                tier = KVTier(mgr)
+                await tier.store([1, 2], [4, 5]).transfer
+                load = tier.load_layers([1, 2], [0, 1], [range(0, 1), range(1, 4)])
+                # Both groups queued, none awaited: a store finds no block to evict.
+                full = tier.store([7, 8], [6, 7])
+                assert full.skipped == (7, 8)
+                await full.transfer
+                await load
+                after = tier.store([7], [6])
+                await after.transfer
+                assert after.skipped == ()
+
+    @pytest.mark.parametrize(
+        "groups", [[], range(0, 2), [range(0, 2), range(3, 5)], [range(0, 2), [2, 3]]], ids=repr
+    )
+    async def test_bad_groups_are_refused_with_nothing_protected(self, groups: object) -> None:
+        layout = build("joined", BLOCKS, "cpu")
+        with anyio.fail_after(TIMEOUT_S):
+            async with OffloadManager.for_kv(layout, 2, backend=FakeBackend()) as mgr:
+                await mgr.pinned
+                tier = KVTier(mgr)
+                await tier.store([1, 2], [4, 5]).transfer
+                with pytest.raises(InvalidTransferError):
+                    tier.load_layers([1, 2], [0, 1], groups)  # type: ignore[arg-type]
+                assert mgr.stats().transfers_loaded == 0
+                full = tier.store([7, 8], [6, 7])  # both blocks evictable: nothing held
+                await full.transfer
+                assert full.skipped == ()
