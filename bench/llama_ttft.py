@@ -39,7 +39,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from asyncpin import KVLayout, OffloadManager
 from asyncpin.tier import KVTier
-from bench._common import machine, median, parser, quiet_logs, require_gpu, write_json
+from bench._common import format_bytes, machine, median, parser, quiet_logs, require_gpu, write_json
 from examples.llama_prefix import (
     PrefixEngine,
     Served,
@@ -135,8 +135,10 @@ async def measure_size(
             "host_layerwise_over_kept": ttft["host_layerwise"] / ttft["kept"],
             "host_whole_over_host_layerwise": ttft["host_whole"] / ttft["host_layerwise"],
         },
-        # Bytes of the prefix over the time a host hit adds to a kept one.
-        "restore_gbps": loaded / max(ttft["host_layerwise"] - ttft["kept"], 1e-9) / 1e9,
+        # Bytes of the prefix over the time a host hit adds to a kept one (None: no time).
+        "restore_gbps": (
+            loaded / added / 1e9 if (added := ttft["host_layerwise"] - ttft["kept"]) > 0 else None
+        ),
         "tokens": tokens_of,
         "tokens_match": {
             way: tokens_of[way] == tokens_of["kept"] for way in ("host_layerwise", "host_whole")
@@ -190,20 +192,23 @@ def _table(doc: dict[str, Any]) -> None:
         f"({doc['host_block_bytes'] >> 10} KiB host block), suffix {doc['suffix_tokens']}, "
         f"median of {doc['repeats']} (ms)"
     )
+    print("full: no prefix cache; lw / all: prefix loaded from the host per layer / at once;")
+    print("kept: prefix kept on the GPU; GB/s: loaded bytes over (lw - kept)")
     print(
         f"{'prompt':>7} {'full':>9} {'host lw':>9} {'host all':>9} {'kept':>8} "
-        f"{'full/host':>9} {'host/kept':>9} {'all/lw':>7} {'GB/s':>6}  tokens"
+        f"{'full/lw':>8} {'lw/kept':>8} {'all/lw':>7} {'loaded':>9} {'GB/s':>6}  tokens"
     )
     for row in doc["sizes"].values():
         t, r = row["ttft_ms"], row["ratios"]
+        gbps = "-" if row["restore_gbps"] is None else f"{row['restore_gbps']:.1f}"
         ok = all(row["tokens_match"].values()) and row["kv_bit_identical"]
         check = "same" if ok else "DIFFER"
         check += "" if row["full_prefill_match"] else " (full prefill: differs)"
         print(
             f"{row['prompt_tokens']:>7} {t['full']:>9.1f} {t['host_layerwise']:>9.1f} "
-            f"{t['host_whole']:>9.1f} {t['kept']:>8.1f} {r['full_over_host_layerwise']:>8.2f}x "
-            f"{r['host_layerwise_over_kept']:>8.2f}x {r['host_whole_over_host_layerwise']:>6.2f}x "
-            f"{row['restore_gbps']:>6.1f}  {check}"
+            f"{t['host_whole']:>9.1f} {t['kept']:>8.1f} {r['full_over_host_layerwise']:>7.2f}x "
+            f"{r['host_layerwise_over_kept']:>7.2f}x {r['host_whole_over_host_layerwise']:>6.2f}x "
+            f"{format_bytes(row['loaded_bytes']):>9} {gbps:>6}  {check}"
         )
 
 

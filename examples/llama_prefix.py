@@ -55,7 +55,7 @@ import structlog
 import torch
 
 from asyncpin import KVLayout, OffloadManager, PinBackend, Transfer
-from asyncpin.tier import KVTier
+from asyncpin.tier import KVTier, LayerLoad
 
 try:
     import transformers
@@ -205,9 +205,11 @@ class PrefixEngine:
         """``[k0, v0, k1, v1, ...]``: the layout's arrays, in this order."""
         return [t for pair in zip(self.k, self.v, strict=True) for t in pair]
 
-    def layer_groups(self) -> list[range]:
-        """The layout's arrays of each layer: layer ``i`` is ``range(2*i, 2*i + 2)``."""
-        return [range(2 * i, 2 * i + 2) for i in range(self.num_layers)]
+    def layer_groups(self, layout: KVLayout) -> list[range]:
+        """Each layer's arrays in ``layout`` (made from ``kv_tensors``): those its K and V
+        tensors became, ``range(2*i, 2*i + 2)`` for layer ``i``."""
+        arrays = layout.tensor_arrays
+        return [range(arrays[2 * i].start, arrays[2 * i + 1].stop) for i in range(self.num_layers)]
 
     @property
     def free_blocks(self) -> int:
@@ -359,6 +361,7 @@ class Served:
     block_ids: list[int] = field(default_factory=list)
     #: How the load went: "load_layers" (one transfer per layer), "load" (one transfer).
     load_api: str | None = None
+    load_transfers: int = 0
     loaded_bytes: int = 0
 
 
@@ -383,12 +386,13 @@ async def prefill_and_offload(
 
 def _start_load(
     engine: PrefixEngine, tier: KVTier, hashes: Sequence[int], ids: Sequence[int], layerwise: bool
-) -> tuple[Any, list[Transfer], str]:
-    """The load of ``hashes`` into pool blocks ``ids``: one transfer per layer
-    (``load_layers``) or one for all. Returns (awaitable, transfers, api)."""
-    load_layers = getattr(tier, "load_layers", None)
-    if layerwise and load_layers is not None:
-        layer_load = load_layers(hashes, ids, groups=engine.layer_groups())
+) -> tuple[LayerLoad | Transfer, list[Transfer], str]:
+    """The load of ``hashes`` into pool blocks ``ids``: one transfer per layer (its K and
+    V arrays: ``load_layers``) or one for all. Returns (awaitable, transfers, api)."""
+    if layerwise:
+        layout = tier.manager.kv_layout
+        assert layout is not None
+        layer_load = tier.load_layers(hashes, ids, groups=engine.layer_groups(layout))
         return layer_load, list(layer_load.transfers), "load_layers"
     transfer = tier.load(hashes, ids)
     return transfer, [transfer], "load"
@@ -418,7 +422,7 @@ async def serve(
     _sync(engine.device)
     t0 = time.perf_counter()
     served = Served(tokens=[], ttft_s=0.0)
-    load: Any = None
+    load: LayerLoad | Transfer | None = None
     if mode == "full":
         cache = engine.new_cache()
         first = int(engine.forward(prompt, cache).argmax())
@@ -445,6 +449,7 @@ async def serve(
                     engine, tier, hashes[:n], ids, layerwise
                 )
                 served.loaded_bytes = sum(t.nbytes for t in transfers)
+                served.load_transfers = len(transfers)
                 events = [t.event for t in transfers]
                 if engine.device.type != "cuda" or any(e is None for e in events):
                     await load  # the host engine (or a load not queued yet): all of it first
@@ -570,6 +575,7 @@ async def run(
         hit_blocks=restored.hit_blocks,
         kept_blocks=kept.hit_blocks,
         load_api=restored.load_api,
+        load_transfers=restored.load_transfers,
         layerwise=restored.load_api == "load_layers",
         loaded_bytes=restored.loaded_bytes,
         tokens={"kept": kept.tokens, "restored": restored.tokens, "full": full.tokens},

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
 
 import anyio
 import pytest
+import structlog
 import torch
 
 pytest.importorskip("transformers")
@@ -35,7 +32,6 @@ from tests.helpers import TIMEOUT_S
 
 pytestmark = pytest.mark.anyio
 
-ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 
 
@@ -57,9 +53,9 @@ def _check(result: dict[str, Any], *, prompt: int, block_size: int, layerwise: b
     layers = result["layers"]
     assert result["loaded_bytes"] == blocks * result["host_block_bytes"]
     assert result["host_block_bytes"] == 2 * layers * block_size * 2 * 16 * 4  # fp32, 2 heads
-    # One transfer per layer when asked and the tier has load_layers; else one load.
-    expected = "load_layers" if layerwise and hasattr(KVTier, "load_layers") else "load"
-    assert result["load_api"] == expected
+    # One transfer per layer (its K and V) when asked; else one load.
+    assert result["load_api"] == ("load_layers" if layerwise else "load")
+    assert result["load_transfers"] == (layers if layerwise else 1)
     released = result["released"]
     assert released["transfers_in_flight"] == 0
     assert released["free_host_blocks"] == released["num_host_blocks"]
@@ -140,6 +136,50 @@ async def test_a_prompt_of_whole_blocks_keeps_its_last_token_to_prefill() -> Non
     assert restored.tokens == kept.tokens
 
 
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_each_layer_waits_for_its_own_load_then_gathers(
+    monkeypatch: pytest.MonkeyPatch, layerwise: bool
+) -> None:
+    """The CUDA wiring without a GPU: a stand-in stream records the waits. Layer-wise,
+    layer i's hook waits for event i, gathers layer i, and layer i runs before layer i + 1
+    waits; with one load, layer 0 waits for it and nothing else does."""
+    model = build_model(llama_config("tiny"), CPU, torch.float32)
+    engine = PrefixEngine(model, block_size=4, num_gpu_blocks=8)
+    for t in engine.kv_tensors:
+        t.normal_()
+    log: list[tuple[str, object]] = []
+
+    class Stream:
+        def wait_event(self, event: object) -> None:
+            log.append(("wait", event))
+
+    real_gather = PrefixEngine.gather
+
+    def gather(self: PrefixEngine, layer: int, index: Any, keys: Any, values: Any) -> None:
+        log.append(("gather", layer))
+        real_gather(self, layer, index, keys, values)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(PrefixEngine, "gather", gather)
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_hook(lambda *_, i=i: log.append(("ran", i)))
+    cache, keys, values = engine.prefix_cache(8)
+    events = ["ev0", "ev1"] if layerwise else ["ev", None]
+    with engine.restoring(engine.index_of([3, 5]), keys, values, events):
+        engine.forward([1, 2, 3], cache)
+    if layerwise:
+        expected = [("wait", "ev0"), ("gather", 0), ("ran", 0)]
+        expected += [("wait", "ev1"), ("gather", 1), ("ran", 1)]
+    else:
+        expected = [("wait", "ev"), ("gather", 0), ("ran", 0), ("gather", 1), ("ran", 1)]
+    assert log == expected
+    # The gathered blocks are pool blocks 3 and 5, token-major: [1, heads, 8, dim].
+    for pool, out in ((engine.k[1], keys[1]), (engine.v[0], values[0])):
+        want = torch.cat([pool[3], pool[5]], dim=1).unsqueeze(0)
+        assert torch.equal(out, want)
+    assert cache.get_seq_length() == 8 + 3  # the prefix, then the prompt's own tokens
+
+
 def test_prefix_hashes_chain() -> None:
     a = prefix_hashes(list(range(10)), 4)
     assert len(a) == 2 and len(set(a)) == 2
@@ -150,22 +190,32 @@ def test_prefix_hashes_chain() -> None:
     assert all(isinstance(h, int) for h in a)
 
 
-def test_the_command_line(tmp_path: Path) -> None:
-    env = os.environ | {"CUDA_VISIBLE_DEVICES": ""}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    args = ["--tokens", "24", "--block-size", "8", "--suffix", "3", "--new-tokens", "3", "--json"]
-    done = subprocess.run(
-        [sys.executable, "-m", "examples.llama_prefix", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout)
+@pytest.fixture
+def structlog_config() -> Iterator[None]:
+    """The command line configures structlog (its logs to stderr): put it back after."""
+    configured, config = structlog.is_configured(), structlog.get_config()
+    yield
+    if configured:
+        structlog.configure(**config)
+    else:
+        structlog.reset_defaults()
+
+
+@pytest.mark.usefixtures("structlog_config")
+def test_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    args = "--tokens 24 --block-size 8 --suffix 3 --new-tokens 3 --device cpu --json"
+    llama_prefix.main(args.split())
+    result = json.loads(capsys.readouterr().out)
     assert result["tokens_match"] and result["kv_bit_identical"] and result["hit_blocks"] == 3
+    assert result["load_api"] == "load_layers"
+
+
+@pytest.mark.usefixtures("structlog_config")
+def test_the_8b_config_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        llama_prefix.main(["--config", "llama-3.1-8b", "--device", "cpu"])
+    assert info.value.code == 2
+    assert "runs on a CUDA GPU" in capsys.readouterr().err
 
 
 def test_the_8b_config_is_llama_3_1_8b() -> None:
