@@ -560,7 +560,7 @@ async def run(
             engine, tier, prompt, mode="host", layerwise=layerwise, new_tokens=new_tokens
         )
         restored_bytes = engine.read_blocks(restored.block_ids)
-        identical = len(restored_bytes) == len(kept_bytes) and all(
+        identical = restored.hit_blocks > 0 and all(
             same_bytes(a, b[: restored.hit_blocks])
             for a, b in zip(restored_bytes, kept_bytes, strict=True)
         )
