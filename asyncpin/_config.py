@@ -100,6 +100,14 @@ class ManagerConfig:
     unpinned_policy: UnpinnedPolicy
     engine: str | EngineFactory
     attach: bool
+    #: (rank, ranks): this manager's part of host blocks that ``ranks`` managers share.
+    host_slice: tuple[int, int] = (0, 1)
+
+    @property
+    def host_block_stride(self) -> int:
+        """Bytes from one host block to the next in the region (every rank's part)."""
+        layout = self.kv_layout
+        return 0 if layout is None else layout.host_block_bytes * self.host_slice[1]
 
     @classmethod
     def validated(
@@ -118,6 +126,7 @@ class ManagerConfig:
         unpinned_policy: UnpinnedPolicy,
         engine: str | EngineFactory,
         attach: bool,
+        host_slice: tuple[int, int] | None = None,
     ) -> ManagerConfig:
         """Raises ConfigError, naming the argument, for the first one out of range."""
         # In the order the arguments are documented: the first one out of range is named.
@@ -144,12 +153,17 @@ class ManagerConfig:
             if not isinstance(kv_layout, KVLayout):
                 raise ConfigError("kv_layout must be a KVLayout (KVLayout.from_tensors(...))")
             blocks = check_num_host_blocks(num_host_blocks)
+            ranks = check_host_slice(host_slice)[1]
             # An attacher learns the region's size when it enters and checks it there.
-            if not attach and size < blocks * kv_layout.host_block_bytes:
+            if not attach and size < blocks * kv_layout.host_block_bytes * ranks:
                 raise ConfigError(
-                    f"{blocks} host blocks of {kv_layout.host_block_bytes} bytes do not "
-                    f"fit in nbytes={nbytes}; use OffloadManager.for_kv(layout, num_host_blocks)"
+                    f"{blocks} host blocks of {kv_layout.host_block_bytes} bytes"
+                    + (f" x {ranks} ranks" if ranks > 1 else "")
+                    + f" do not fit in nbytes={nbytes}; use OffloadManager.for_kv(layout, "
+                    "num_host_blocks)"
                 )
+        elif host_slice is not None:
+            raise ConfigError("host_slice is for a KV manager (OffloadManager.for_kv)")
         if unpinned_policy not in ("wait", "pageable"):
             raise ConfigError(
                 f"unpinned_policy must be 'wait' or 'pageable', not {unpinned_policy!r}"
@@ -168,6 +182,7 @@ class ManagerConfig:
             unpinned_policy=unpinned_policy,
             engine=check_engine_choice(engine),
             attach=attach,
+            host_slice=check_host_slice(host_slice),
         )
 
     def layout_description(self) -> dict[str, Any] | None:
@@ -176,4 +191,24 @@ class ManagerConfig:
         layout = self.kv_layout
         if layout is None:
             return None
-        return {**layout.description(), "num_host_blocks": self.num_host_blocks}
+        return {
+            **layout.description(),
+            "num_host_blocks": self.num_host_blocks,
+            "ranks": self.host_slice[1],
+        }
+
+
+def check_host_slice(host_slice: object) -> tuple[int, int]:
+    """``(rank, ranks)`` with ``0 <= rank < ranks``; None is ``(0, 1)``."""
+    if host_slice is None:
+        return (0, 1)
+    if (
+        not isinstance(host_slice, tuple)
+        or len(host_slice) != 2
+        or not all(_is_int(v) for v in host_slice)
+        or not 0 <= host_slice[0] < host_slice[1]
+    ):
+        raise ConfigError(
+            f"host_slice must be (rank, ranks) with 0 <= rank < ranks, got {host_slice!r}"
+        )
+    return (int(host_slice[0]), int(host_slice[1]))

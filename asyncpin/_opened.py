@@ -60,12 +60,12 @@ class Opened:
         try:
             layout = config.kv_layout
             if layout is not None:
-                needed = config.num_host_blocks * layout.host_block_bytes
+                needed = config.num_host_blocks * config.host_block_stride
                 if region.nbytes < needed:
                     raise ConfigError(
                         f"shared region {config.name!r} holds {region.nbytes} bytes: too small "
                         f"for {config.num_host_blocks} host blocks of "
-                        f"{layout.host_block_bytes} bytes ({needed} bytes)"
+                        f"{config.host_block_stride} bytes ({needed} bytes)"
                     )
             scheduler = PinScheduler(
                 region,
@@ -103,7 +103,9 @@ class Opened:
         log: Any,
     ) -> TransferEngine:
         """The engine and the router in front of it, over the region's host blocks."""
-        self.host_blocks = host_bytes_view(self.region.view(), layout, config.num_host_blocks)
+        self.host_blocks = host_bytes_view(
+            self.region.view(), layout, config.num_host_blocks, config.host_slice
+        )
         setup = EngineSetup(layout, self.host_blocks, chunk_bytes, tasks.start_soon)
         self.engine = make_engine(config.engine, setup)
         self.router = TransferRouter(
@@ -113,6 +115,7 @@ class Opened:
             table=self.scheduler.table,
             region=self.region,
             policy=config.unpinned_policy,
+            host_slice=config.host_slice,
             start_soon=tasks.start_soon,
             observers=observers,
             log=log,

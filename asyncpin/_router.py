@@ -60,8 +60,13 @@ class TransferRouter:
         start_soon: Callable[..., object],
         observers: list[Callable[[Transfer], None]],
         log: Any,
+        host_slice: tuple[int, int] = (0, 1),
     ) -> None:
         self.layout = layout
+        # Host block c of this manager: host_block_bytes at c * stride + offset.
+        rank, ranks = host_slice
+        self._stride = layout.host_block_bytes * ranks
+        self._offset = layout.host_block_bytes * rank
         self.num_host_blocks = num_host_blocks
         self.engine = engine
         self._table = table
@@ -92,8 +97,9 @@ class TransferRouter:
         InvalidTransferError with nothing enqueued."""
         job = self._validated(direction, gpu, cpu, method, arrays)
         transfer = job.transfer
-        size = self.layout.host_block_bytes
-        needed = self._table.unpinned((c * size, size) for c in job.cpu_ids)
+        size, stride, offset = self.layout.host_block_bytes, self._stride, self._offset
+        spans = [(c * stride + offset, size) for c in job.cpu_ids]
+        needed = self._table.unpinned(spans)
         if needed and self._policy == "wait":
             # A store must not copy blocks before the compute stream has produced them,
             # and a load must not overwrite blocks the compute stream is still reading:
@@ -107,7 +113,6 @@ class TransferRouter:
             self.counts.pageable += 1
             region = self._region
             if region.backing == "shared":
-                spans = [(c * size, size) for c in job.cpu_ids]
                 job.reserve = lambda: region.reserve(spans)
             self._enqueue(job, pageable=True)
         else:

@@ -64,7 +64,9 @@ class EngineSetup:
     #: The device-side KV arrays.
     layout: KVLayout
     #: ``[num_host_blocks, host_block_bytes]`` uint8 over the host region (block-major:
-    #: array ``a`` of host block ``c`` at ``c * host_block_bytes + array_offsets[a]``).
+    #: array ``a`` of host block ``c`` at row ``c``, byte ``array_offsets[a]``). Rows are
+    #: ``stride(0)`` bytes apart (more than a host block when ranks share the region:
+    #: ``host_slice``); its storage starts at the region's start, where chunks start.
     host_blocks: torch.Tensor
     #: The region is registered in spans of this many bytes, from its start: one DMA
     #: must not cross a span boundary.

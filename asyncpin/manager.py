@@ -19,6 +19,7 @@ from asyncpin._config import (
     DEFAULT_CHUNK_BYTES,
     ManagerConfig,
     UnpinnedPolicy,
+    check_host_slice,
     check_num_host_blocks,
 )
 from asyncpin._lifecycle import Lifecycle, ManagerState
@@ -83,6 +84,7 @@ class OffloadManager:
         num_host_blocks: int | None = None,
         unpinned_policy: UnpinnedPolicy = "wait",
         engine: str | EngineFactory = "auto",
+        host_slice: tuple[int, int] | None = None,
         _attach: bool = False,
     ) -> None:
         self._config = config = ManagerConfig.validated(
@@ -99,6 +101,7 @@ class OffloadManager:
             unpinned_policy=unpinned_policy,
             engine=engine,
             attach=_attach,
+            host_slice=host_slice,
         )
         self._nbytes = config.nbytes
         self._backend = resolve_backend(backend, device)
@@ -122,13 +125,19 @@ class OffloadManager:
 
     @classmethod
     def for_kv(cls, layout: KVLayout, num_host_blocks: int, **kwargs: Any) -> OffloadManager:
-        """A manager whose region holds ``num_host_blocks`` host blocks of ``layout``."""
+        """A manager whose region holds ``num_host_blocks`` host blocks of ``layout``.
+
+        ``host_slice=(rank, ranks)``: the region holds ``ranks`` such layouts' blocks
+        (tensor-parallel ranks' slices of the same KV blocks, say), host block ``c`` of
+        every rank side by side, and this manager moves rank ``rank``'s part. The other
+        ranks attach (``OffloadManager.attached``) with their own ``host_slice``."""
         check_num_host_blocks(num_host_blocks)
+        ranks = check_host_slice(kwargs.get("host_slice"))[1]
         if layout.device.type == "cuda":
             # Pinned for the GPU the blocks move to, whichever device is current.
             kwargs.setdefault("device", layout.device.index)
         return cls(
-            layout.host_block_bytes * num_host_blocks,
+            layout.host_block_bytes * ranks * num_host_blocks,
             kv_layout=layout,
             num_host_blocks=num_host_blocks,
             **kwargs,

@@ -1,11 +1,25 @@
-"""Prometheus metrics for one OffloadManager (the optional extra ``asyncpin[metrics]``).
+"""Prometheus metrics for an OffloadManager and a KV tier (the optional extra
+``asyncpin[metrics]``).
 
 ``import asyncpin`` never imports this module nor prometheus-client; importing it without
-prometheus-client installed raises an ImportError that says what to install.
+prometheus-client installed raises an ImportError that says what to install. It imports
+no torch itself: :class:`TierCollector` over a bare block index runs in a scheduler
+process without it.
 
 ::
 
     registry.register(OffloadCollector(mgr))   # before `async with mgr` to see every transfer
+    registry.register(TierCollector(tier))     # a KVTier over that manager
+
+    # an engine's scheduler process, with the index alone (no manager, no torch):
+    registry.register(TierCollector(index, host_block_bytes=layout_host_block_bytes))
+
+Two collectors, one a source: a process that has both a manager and a tier registers
+both, and a scheduler process with only the index registers the tier's alone. A registry
+takes one of each (the metric names would collide): for several tiers, use a registry
+each.
+
+**Manager** (``OffloadCollector``).
 
 Everything but the transfer counters is read from ``mgr.stats()`` at scrape time. The
 counters by direction and path, the transfer bytes and the latency histogram are kept by
@@ -30,6 +44,21 @@ Info: ``asyncpin_manager_info{backend, backing, hugepages}``.
 ``direction`` is ``store`` or ``load``; ``path`` is ``pinned`` or ``pageable`` (a
 transfer that went through pageable memory because its chunks were not pinned yet);
 ``outcome`` is ``ok`` or ``failed``. Bytes and latency count successful transfers only.
+
+**Tier** (``TierCollector``), read from ``tier.stats()`` (a :class:`~asyncpin.TierStats`)
+at scrape time, every value O(1) to read. Counters, since the index was made:
+``asyncpin_tier_lookups_total`` (``lookup`` calls), ``asyncpin_tier_looked_up_blocks_total``
+and ``asyncpin_tier_hit_blocks_total`` (hashes looked up, and found: their ratio is the
+hit rate), ``asyncpin_tier_stores_total`` (``store`` / ``begin_store`` calls),
+``asyncpin_tier_stored_blocks_total`` (blocks made loadable),
+``asyncpin_tier_skipped_blocks_total`` (hashes a store left out: every block in use by a
+copy), ``asyncpin_tier_failed_blocks_total`` (blocks of failed or cancelled copies, freed),
+``asyncpin_tier_evicted_blocks_total``, ``asyncpin_tier_removed_blocks_total`` (by
+``remove`` and ``clear``), ``asyncpin_tier_dropped_events_total`` (events a subscriber's
+full buffer lost; 0 for a bare index). Gauges: ``asyncpin_tier_resident_blocks``,
+``asyncpin_tier_resident_bytes`` (no sample for a bare index without
+``host_block_bytes``), ``asyncpin_tier_free_blocks``, ``asyncpin_tier_host_blocks`` (the
+capacity). Info: ``asyncpin_tier_info{policy}``.
 """
 
 from __future__ import annotations
@@ -39,6 +68,9 @@ import math
 import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
+
+from asyncpin.stats import TierStats
+from asyncpin.tier.index import BlockIndex
 
 try:
     from prometheus_client.core import (
@@ -57,9 +89,10 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
     from asyncpin.manager import OffloadManager
+    from asyncpin.tier import KVTier
     from asyncpin.transfers import Transfer
 
-__all__ = ["DEFAULT_LATENCY_BUCKETS", "OffloadCollector"]
+__all__ = ["DEFAULT_LATENCY_BUCKETS", "OffloadCollector", "TierCollector"]
 
 # From a host copy of a few blocks (tens of µs) to a transfer that waited for its chunks
 # to be pinned (seconds).
@@ -216,3 +249,81 @@ class OffloadCollector(Collector):
         with self._lock:
             finished = sum(self._transfers.values())
         return f"<OffloadCollector {self._manager!r} transfers_seen={finished}>"
+
+
+class TierCollector(Collector):
+    """A Prometheus collector over a KV tier's counters (``tier.stats()``), or over a bare
+    :class:`~asyncpin.tier.index.BlockIndex` (an engine's scheduler process, which has no
+    manager): pass the size of one host block as ``host_block_bytes`` there to export
+    ``asyncpin_tier_resident_bytes`` (a :class:`~asyncpin.tier.KVTier` knows its own).
+
+    It holds nothing but the reference and needs no closing. Scraping is safe from any
+    thread; a scrape from another thread than the event loop's may see one counter a
+    moment older than another.
+    """
+
+    def __init__(self, tier: KVTier | BlockIndex, *, host_block_bytes: int | None = None) -> None:
+        if isinstance(tier, BlockIndex):
+            if host_block_bytes is not None and (
+                isinstance(host_block_bytes, bool)
+                or not isinstance(host_block_bytes, int)
+                or host_block_bytes < 1
+            ):
+                raise ValueError(
+                    f"host_block_bytes must be an int >= 1 or None, got {host_block_bytes!r}"
+                )
+        elif host_block_bytes is not None:
+            raise ValueError("host_block_bytes is for a bare BlockIndex: a KVTier knows its own")
+        self._source = tier
+        self._host_block_bytes = host_block_bytes
+
+    def stats(self) -> TierStats:
+        """What a scrape reads."""
+        source = self._source
+        if isinstance(source, BlockIndex):
+            return TierStats.from_index(source, host_block_bytes=self._host_block_bytes)
+        return source.stats()
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        info = InfoMetricFamily("asyncpin_tier", "The KV tier's eviction policy")
+        info.add_metric([], {"policy": s.policy})
+        yield info
+        for name, doc, count in (
+            ("lookups", "Lookups of block hashes", s.lookups),
+            ("looked_up_blocks", "Block hashes looked up", s.looked_up_blocks),
+            ("hit_blocks", "Block hashes looked up and found loadable", s.hit_blocks),
+            ("stores", "Stores of block hashes", s.stores),
+            ("stored_blocks", "Blocks whose store completed: loadable", s.stored_blocks),
+            (
+                "skipped_blocks",
+                "Block hashes a store left out: every host block in use by a copy",
+                s.skipped_blocks,
+            ),
+            (
+                "failed_blocks",
+                "Blocks of stores that failed or were cancelled: freed, never loadable",
+                s.failed_blocks,
+            ),
+            ("evicted_blocks", "Loadable blocks evicted to make room", s.evicted_blocks),
+            ("removed_blocks", "Loadable blocks removed or cleared", s.removed_blocks),
+            (
+                "dropped_events",
+                "Block events a subscriber's full buffer dropped",
+                s.dropped_events,
+            ),
+        ):
+            yield CounterMetricFamily(f"asyncpin_tier_{name}", doc, value=count)
+        for name, doc, value in (
+            ("resident_blocks", "Loadable blocks on the host", s.resident_blocks),
+            ("resident_bytes", "Bytes of the loadable blocks on the host", s.resident_bytes),
+            ("free_blocks", "Host blocks neither indexed nor used by a copy", s.free_blocks),
+            ("host_blocks", "Host blocks the tier manages", s.num_host_blocks),
+        ):
+            family = GaugeMetricFamily(f"asyncpin_tier_{name}", doc)
+            if value is not None:
+                family.add_metric([], value)
+            yield family
+
+    def __repr__(self) -> str:
+        return f"<TierCollector {self._source!r}>"

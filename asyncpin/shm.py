@@ -387,7 +387,7 @@ def _open_own(name: str, flags: int) -> tuple[int, os.stat_result, RegionHeader]
 def _check_layout(name: str, recorded: dict[str, Any], expected: dict[str, Any]) -> None:
     # The most telling difference first; an attacher may use fewer host blocks (the size
     # check covers that).
-    for key in ("num_arrays", "dtypes", "block_shapes", "host_block_bytes"):
+    for key in ("num_arrays", "dtypes", "block_shapes", "host_block_bytes", "ranks"):
         if key not in expected:
             continue
         if key not in recorded:

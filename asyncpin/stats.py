@@ -1,10 +1,15 @@
-"""What a manager reports of itself: :class:`ManagerStats`, a frozen snapshot."""
+"""What a manager and a KV tier report of themselves: :class:`ManagerStats` and
+:class:`TierStats`, frozen snapshots. This module imports no torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["ManagerStats"]
+if TYPE_CHECKING:
+    from asyncpin.tier.index import BlockIndex
+
+__all__ = ["ManagerStats", "TierStats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,3 +49,66 @@ class ManagerStats:
     @property
     def pinned_fraction(self) -> float:
         return self.pinned_bytes / self.nbytes if self.nbytes else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """A snapshot of a KV tier (``KVTier.stats()``), or of a bare block index
+    (:meth:`from_index`): the index's counters (see
+    :class:`~asyncpin.tier.index.IndexStats`), what its blocks hold in bytes, its policy,
+    and the events a subscriber's full buffer dropped. O(1) to take."""
+
+    policy: str
+    num_host_blocks: int
+    lookups: int
+    hit_blocks: int
+    looked_up_blocks: int
+    stores: int
+    stored_blocks: int
+    skipped_blocks: int
+    failed_blocks: int
+    evicted_blocks: int
+    removed_blocks: int
+    resident_blocks: int
+    free_blocks: int
+    #: Bytes of one host block (every KV array's block), and of the resident blocks; None
+    #: for an index whose block size was not given.
+    host_block_bytes: int | None
+    resident_bytes: int | None
+    dropped_events: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Blocks found over blocks looked up (0.0 before any lookup)."""
+        return self.hit_blocks / self.looked_up_blocks if self.looked_up_blocks else 0.0
+
+    @classmethod
+    def from_index(
+        cls,
+        index: BlockIndex,
+        *,
+        host_block_bytes: int | None = None,
+        dropped_events: int = 0,
+    ) -> TierStats:
+        """The snapshot of ``index`` (``resident_bytes`` only with ``host_block_bytes``)."""
+        s = index.stats()
+        return cls(
+            policy=index.policy,
+            num_host_blocks=index.num_host_blocks,
+            lookups=s.lookups,
+            hit_blocks=s.hit_blocks,
+            looked_up_blocks=s.looked_up_blocks,
+            stores=s.stores,
+            stored_blocks=s.stored_blocks,
+            skipped_blocks=s.skipped_blocks,
+            failed_blocks=s.failed_blocks,
+            evicted_blocks=s.evicted_blocks,
+            removed_blocks=s.removed_blocks,
+            resident_blocks=s.resident_blocks,
+            free_blocks=s.free_blocks,
+            host_block_bytes=host_block_bytes,
+            resident_bytes=(
+                None if host_block_bytes is None else s.resident_blocks * host_block_bytes
+            ),
+            dropped_events=dropped_events,
+        )

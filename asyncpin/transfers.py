@@ -183,49 +183,77 @@ async def copy_in_thread(
 
 
 def host_bytes_view(
-    region_view: torch.Tensor, layout: KVLayout, num_host_blocks: int
+    region_view: torch.Tensor,
+    layout: KVLayout,
+    num_host_blocks: int,
+    host_slice: tuple[int, int] = (0, 1),
 ) -> torch.Tensor:
-    """``[num_host_blocks, host_block_bytes]`` uint8 over the region's bytes."""
-    nbytes = num_host_blocks * layout.host_block_bytes
-    return region_view[:nbytes].view(num_host_blocks, layout.host_block_bytes)
+    """``[num_host_blocks, host_block_bytes]`` uint8 over the region's bytes. With
+    ``host_slice=(rank, ranks)``, host blocks of ``ranks`` such layouts are interleaved
+    (``ranks * host_block_bytes`` apart) and this is rank ``rank``'s part of each."""
+    rank, ranks = host_slice
+    size = layout.host_block_bytes
+    return region_view[rank * size :].as_strided(
+        (num_host_blocks, size), (ranks * size, 1), region_view.storage_offset() + rank * size
+    )
+
+
+def _typed(
+    host_bytes: torch.Tensor,
+    dtype: torch.dtype,
+    offset: int,
+    shape: tuple[int, ...],
+    inner: tuple[int, ...],
+    what: str,
+) -> torch.Tensor:
+    """``host_bytes`` (rows of host blocks) seen as ``dtype``: element ``(c, *i)`` at byte
+    ``offset`` of host block ``c``, then ``inner`` strides (elements)."""
+    size = dtype.itemsize
+    start = host_bytes.storage_offset() + offset
+    if start % size or host_bytes.stride(0) % size:
+        raise ConfigError(
+            f"{what} ({dtype}) does not start on a multiple of its {size}-byte elements in "
+            "every host block; read it as bytes (host_bytes)"
+        )
+    typed = torch.empty(0, dtype=dtype, device=host_bytes.device)
+    typed.set_(
+        host_bytes.untyped_storage(),
+        start // size,
+        (host_bytes.shape[0], *shape),
+        (host_bytes.stride(0) // size, *inner),
+    )
+    return typed
 
 
 def host_array_view(host_bytes: torch.Tensor, layout: KVLayout, a: int) -> torch.Tensor:
     """``[num_host_blocks, *array_shapes[a]]`` typed view of array ``a``'s host blocks,
     whose bytes lie as on the device (a block's strides are the device array's)."""
-    dtype, size = layout.array_dtypes[a], layout.array_dtypes[a].itemsize
-    offset, step = layout.array_offsets[a], layout.host_block_bytes
-    if offset % size or step % size:
-        raise ConfigError(
-            f"array {a}'s host blocks ({dtype}) do not start on a multiple of its "
-            f"{size}-byte elements; read them as bytes (host_bytes)"
-        )
-    typed = host_bytes.view(-1).view(dtype)
-    return typed.as_strided(
-        (host_bytes.shape[0], *layout.array_shapes[a]),
-        (step // size, *layout.arrays[a].stride()[1:]),
-        typed.storage_offset() + offset // size,
+    return _typed(
+        host_bytes,
+        layout.array_dtypes[a],
+        layout.array_offsets[a],
+        layout.array_shapes[a],
+        tuple(layout.arrays[a].stride()[1:]),
+        f"array {a}",
     )
 
 
 def host_blocks_view(host_bytes: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     """``[num_host_blocks, num_arrays, *block_shape]`` over the host blocks, for a layout
     whose arrays share block shape and dtype (ConfigError otherwise)."""
-    dtype, size = layout.dtype, layout.dtype.itemsize
+    dtype = layout.dtype
     inner = {array.stride()[1:] for array in layout.arrays}
     if len(inner) > 1:
         raise ConfigError(
             "the KV arrays order their blocks' elements differently; view each with host_array(a)"
         )
-    typed = host_bytes.view(-1).view(dtype)
-    return typed.as_strided(
-        (host_bytes.shape[0], layout.num_arrays, *layout.block_shape),
-        (
-            layout.host_block_bytes // size,
-            layout.block_bytes // size,
-            *layout.arrays[0].stride()[1:],
-        ),
-        typed.storage_offset(),
+    return _typed(
+        host_bytes,
+        dtype,
+        0,
+        (layout.num_arrays, *layout.block_shape),
+        (layout.block_bytes // dtype.itemsize, *inner.pop()),
+        "the KV blocks",
     )
 
 

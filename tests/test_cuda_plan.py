@@ -354,30 +354,38 @@ class TestChooseMethod:
 # -- arrays of different sizes, and ranges of arrays ------------------------------------
 
 
-def _mixed_plan(sizes: list[int], chunk: int) -> AddressPlan:
+def _mixed_plan(sizes: list[int], chunk: int, rank: int = 0, ranks: int = 1) -> AddressPlan:
+    """Rank ``rank`` of ``ranks`` sharing the region's host blocks (``host_slice``)."""
     return AddressPlan(
         array_ptrs=[DEVICE + a * (1 << 30) for a in range(len(sizes))],
         array_strides=[s + 8 for s in sizes],
         array_bytes=sizes,
-        host_base=BASE,
+        host_base=BASE + rank * sum(sizes),
         chunk_bytes=chunk,
+        host_stride=ranks * sum(sizes),
+        region_base=BASE,
     )
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 def test_ranges_of_mixed_arrays_move_exactly_their_bytes(seed: int) -> None:
     """The host bytes of (block, array) pairs, by brute force: array ``a`` of host block
-    ``c`` lies at ``c * sum(sizes) + sum(sizes[:a])``. Segments (lists and tensors) and a
-    pack piece's DMAs to staging slots of the range's span move exactly those bytes."""
+    ``c`` of rank ``r`` (of ``ranks``) lies at ``(c * ranks + r) * sum(sizes) +
+    sum(sizes[:a])``. Segments (lists and tensors) and a pack piece's DMAs to staging
+    slots of the range's span move exactly those bytes, cut at chunk boundaries counted
+    from the region's start."""
     rng = random.Random(seed)
     sizes = [rng.choice([8, 24, 40, 136, 576]) for _ in range(rng.randint(1, 6))]
-    chunk = rng.choice([64, 256, 4096, sum(sizes) * 2])
-    plan = _mixed_plan(sizes, chunk)
+    ranks = rng.choice([1, 1, 2, 4])
+    rank = rng.randrange(ranks)
+    chunk = rng.choice([64, 256, 4096, sum(sizes) * 2 * ranks])
+    plan = _mixed_plan(sizes, chunk, rank, ranks)
     lo = rng.randrange(len(sizes))
     arrays = range(lo, rng.randint(lo + 1, len(sizes)))
     n = rng.randint(1, 12)
     gpu, cpu = rng.sample(range(50), n), _ids(rng, n, 40, repeats=False)
     hb = sum(sizes)
+    first = rank * hb  # the rank's part of host block 0
     offset = sum(sizes[: arrays.start])
     span = sum(sizes[arrays.start : arrays.stop])
     assert plan.span(arrays) == (offset, span)
@@ -386,7 +394,7 @@ def test_ranges_of_mixed_arrays_move_exactly_their_bytes(seed: int) -> None:
     for g, c in zip(gpu, cpu, strict=True):
         for a in arrays:
             for t in range(sizes[a]):
-                expected[BASE + c * hb + sum(sizes[:a]) + t] = (
+                expected[BASE + c * hb * ranks + first + sum(sizes[:a]) + t] = (
                     DEVICE + a * (1 << 30) + g * (sizes[a] + 8) + t
                 )
     device, host, lengths = plan.segments(gpu, cpu, arrays, tensors=False)
@@ -401,7 +409,7 @@ def test_ranges_of_mixed_arrays_move_exactly_their_bytes(seed: int) -> None:
         ranges = list(zip(host_a, local_a, sizes_a, strict=True))
         moved.update(_bytes_by_chunk(ranges, chunk))
     assert moved == {
-        BASE + c * hb + offset + t: STAGING + j * span + t
+        BASE + c * hb * ranks + first + offset + t: STAGING + j * span + t
         for j, c in enumerate(cpu)
         for t in range(span)
     }

@@ -9,12 +9,30 @@ import anyio
 import pytest
 import torch
 
-from asyncpin import ConfigError, InvalidTransferError, OffloadManager
+from asyncpin import ConfigError, InvalidTransferError, OffloadManager, TransferError
+from asyncpin.abc import EngineSetup
+from asyncpin.engines.host import HostTransferEngine
 from asyncpin.testing import FakeBackend
 from asyncpin.tier import KVTier
+from asyncpin.transfers import TransferJob
 from tests.layouts import CASES, block_bytes, build, randomize_arrays, round_trip
 
 pytestmark = pytest.mark.anyio
+
+
+class FailingSecondCopy(HostTransferEngine):
+    """The host engine, whose second copy fails."""
+
+    def __init__(self, setup: EngineSetup) -> None:
+        super().__init__(setup)
+        self.copies = 0
+
+    def _copy(self, job: TransferJob) -> None:
+        self.copies += 1
+        if self.copies == 2:
+            raise RuntimeError("the copy failed")
+        super()._copy(job)
+
 
 TIMEOUT_S = 10
 BLOCKS, HOST_BLOCKS = 12, 10
@@ -176,3 +194,87 @@ class TestLayerLoads:
                 full = tier.store([7, 8], [6, 7])  # both blocks evictable: nothing held
                 await full.transfer
                 assert full.skipped == ()
+
+
+class TestLayerStores:
+    """``KVTier.store_layers``: host blocks given at once, a copy per group as prefill
+    finishes each layer, loadable only when every group is in."""
+
+    async def test_a_block_is_loadable_only_when_every_group_is_stored(self) -> None:
+        layout = build("mla_indexer", BLOCKS, "cpu")  # 4 arrays, one group each
+        with anyio.fail_after(TIMEOUT_S):
+            async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+                await mgr.pinned
+                tier = KVTier(mgr)
+                kept = [raw[[2, 3]].clone() for raw in layout.byte_arrays()]
+                store = tier.store_layers([7, 8], [2, 3])
+                assert store.plan.hashes == (7, 8) and len(store.groups) == 4
+                for i in range(3):
+                    await store.store_group(i)
+                    assert tier.lookup([7, 8]) == 0  # a part of the block is not in
+                with pytest.raises(RuntimeError, match="not queued"):
+                    await store
+                await store.store_group(3)
+                await store
+                assert tier.lookup([7, 8]) == 2
+                randomize_arrays(layout, 5)
+                await tier.load([7, 8], [0, 1])
+                for a, raw in enumerate(layout.byte_arrays()):
+                    assert torch.equal(raw[[0, 1]], kept[a])
+
+    async def test_an_aborted_store_frees_its_blocks_once_its_copies_are_over(self) -> None:
+        layout = build("joined", BLOCKS, "cpu")
+        with anyio.fail_after(TIMEOUT_S):
+            async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+                await mgr.pinned
+                tier = KVTier(mgr)
+                store = tier.store_layers([1, 2, 3], [0, 1, 2])
+                first = store.store_group(0)
+                store.abort()
+                with pytest.raises(InvalidTransferError, match="aborted"):
+                    store.store_group(1)
+                await first
+                await store
+                assert len(tier.index) == 0 and tier.index.stats().free_blocks == HOST_BLOCKS
+
+    async def test_a_failed_group_leaves_nothing_indexed(self) -> None:
+        layout = build("joined", BLOCKS, "cpu")
+        with anyio.fail_after(TIMEOUT_S):
+            async with OffloadManager.for_kv(
+                layout, HOST_BLOCKS, backend=FakeBackend(), engine=FailingSecondCopy
+            ) as mgr:
+                await mgr.pinned
+                tier = KVTier(mgr)
+                store = tier.store_layers([1, 2], [0, 1])
+                store.store_group(0)
+                store.store_group(1)
+                with pytest.raises(TransferError):
+                    await store
+                assert tier.lookup([1]) == 0 and len(tier.index) == 0
+                assert tier.index.stats().failed_blocks == 2
+
+    async def test_bad_groups_and_repeats_are_refused(self) -> None:
+        layout = build("joined", BLOCKS, "cpu")  # 4 arrays
+        with anyio.fail_after(TIMEOUT_S):
+            async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+                await mgr.pinned
+                tier = KVTier(mgr)
+                for groups in (
+                    [range(0, 2)],
+                    [range(0, 2), range(1, 4)],
+                    [range(0, 4), range(0, 1)],
+                ):
+                    with pytest.raises(InvalidTransferError, match="every array once"):
+                        tier.store_layers([1], [0], groups)
+                assert len(tier.index) == 0
+                store = tier.store_layers([1], [0])
+                await store.store_group(1)
+                for bad in (1, 2, -1):
+                    with pytest.raises(InvalidTransferError, match="group"):
+                        store.store_group(bad)
+                await store.store_group(0)
+                await store
+                assert tier.lookup([1]) == 1
+                again = tier.store_layers([1], [0])  # present: nothing to copy, over at once
+                assert again.plan.present == (1,)
+                await again

@@ -20,7 +20,8 @@ holds, and the counters. After every step it checks:
 (d) lookup is the model's count of leading loadable hashes;
 (e) with "lru" the victim is the least recently stored, touched or loaded evictable hash;
 (f) a store skips exactly the hashes for which no block is free and none can be evicted;
-(g) the stats counters are the model's.
+(g) the stats counters are the model's, and ``resident_blocks`` (a counter the index
+    keeps, O(1) to read) is the number of ready entries and of the policy's resident keys.
 
 Properties that do not depend on which victim a policy picks run for every policy in
 ``POLICY_NAMES``; with another policy the model takes the victim from the index's event
@@ -408,6 +409,9 @@ class IndexMachine(RuleBasedStateMachine):
         )
         # (g)
         assert self.index.stats() == want
+        # The kept counter, against the index's own entries and its policy.
+        ready = sum(1 for e in self.index._entries.values() if e.ready)
+        assert self.index.stats().resident_blocks == ready == len(self.index._policy)
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)

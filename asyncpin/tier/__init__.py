@@ -7,6 +7,10 @@ copies are the manager's :class:`~asyncpin.Transfer` handles; the bookkeeping is
 synchronous and O(number of hashes), safe to call from an engine's scheduler step.
 Without a GPU or in a process that moves no bytes, use the :class:`BlockIndex` alone and
 hand its host block ids to the workers.
+
+Importing this package imports no torch (the manager and the transfers are imported for
+type checking only, ``block_ids`` by the call that checks device block ids), so
+``asyncpin.tier.index`` runs in a process that cannot import it.
 """
 
 from __future__ import annotations
@@ -14,17 +18,19 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from asyncpin._router import check_arrays
 from asyncpin.errors import ConfigError, InvalidTransferError
-from asyncpin.manager import OffloadManager
+from asyncpin.stats import TierStats
 from asyncpin.tier.index import BlockEvent, BlockHash, BlockIndex, IndexStats, StorePlan
 from asyncpin.tier.policies import POLICY_NAMES
-from asyncpin.transfers import BlockIds, Method, Transfer, block_ids
+
+if TYPE_CHECKING:  # torch: a process with the index alone never imports it
+    from asyncpin.manager import OffloadManager
+    from asyncpin.transfers import BlockIds, Method, Transfer
 
 __all__ = [
     "POLICY_NAMES",
@@ -34,7 +40,9 @@ __all__ = [
     "IndexStats",
     "KVTier",
     "LayerLoad",
+    "LayerStore",
     "StorePlan",
+    "TierStats",
     "TierStore",
 ]
 
@@ -80,6 +88,91 @@ class LayerLoad:
     def __repr__(self) -> str:
         done = sum(t.done() for t in self.transfers)
         return f"<LayerLoad {done}/{len(self.transfers)} groups done>"
+
+
+class LayerStore:
+    """One ``KVTier.store_layers``: the host blocks are given now (``plan``), and each
+    group of arrays is copied when the caller says, as prefill writes that layer:
+    ``store_group(i)`` queues group ``i``'s copy after the work on the caller's current
+    stream. The blocks become loadable once every group is copied; a failed group, or
+    ``abort()`` (the request went away), frees them once the copies queued are over.
+
+    ``await store`` waits for every group's copy (raising the first failure); it raises
+    RuntimeError, waiting for nothing, while a group is neither queued nor aborted."""
+
+    def __init__(
+        self,
+        tier: KVTier,
+        plan: StorePlan,
+        gpu: list[int],
+        groups: tuple[range, ...],
+        method: Method,
+    ) -> None:
+        self.plan = plan
+        self.groups = groups
+        #: The copy of each group, None until queued.
+        self.transfers: list[Transfer | None] = [None] * len(groups)
+        self._tier, self._gpu, self._method = tier, gpu, method
+        self._closed = False  # every group queued, or aborted: no more queued
+        self._failed = False
+        self._running = 0
+        self._ended = False
+        if not plan.hashes:  # nothing to copy: over at once
+            self._closed = True
+            self._maybe_end()
+
+    @property
+    def skipped(self) -> tuple[BlockHash, ...]:
+        return self.plan.skipped
+
+    def store_group(self, i: int) -> Transfer:
+        """Queue group ``i``'s copy (once per group)."""
+        if self._closed:
+            raise InvalidTransferError("this layer-wise store is complete or aborted")
+        if not 0 <= i < len(self.groups) or self.transfers[i] is not None:
+            raise InvalidTransferError(f"group {i} is not a group still to store")
+        try:
+            transfer = self._tier.manager.store(
+                self._gpu,
+                list(self.plan.host_blocks),
+                method=self._method,
+                arrays=self.groups[i],
+            )
+        except BaseException:
+            self.abort()
+            raise
+        self.transfers[i] = transfer
+        self._running += 1
+        if all(t is not None for t in self.transfers):
+            self._closed = True
+        transfer.add_done_callback(self._group_done)
+        return transfer
+
+    def abort(self) -> None:
+        """Queue no more groups; the blocks are freed once the copies queued are over."""
+        if not self._closed:
+            self._closed, self._failed = True, True
+            self._maybe_end()
+
+    def _group_done(self, transfer: Transfer) -> None:
+        self._running -= 1
+        self._failed |= transfer.error is not None
+        self._maybe_end()
+
+    def _maybe_end(self) -> None:
+        if self._closed and not self._running and not self._ended:
+            self._ended = True
+            self._tier.index.end_store(self.plan, ok=not self._failed)
+
+    async def wait(self) -> None:
+        if not self._closed:
+            raise RuntimeError("a group of this layer-wise store is not queued (or abort())")
+        for transfer in self.transfers:
+            if transfer is not None:
+                await transfer
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self.wait().__await__()
 
 
 class KVTier:
@@ -154,15 +247,7 @@ class KVTier:
         default ``layout.tensor_arrays``: one group per tensor the layout was made from,
         a layer's K and V say), queued in order. The blocks are kept from eviction until
         every group is done. Bad input raises InvalidTransferError, nothing queued."""
-        layout = self.manager.kv_layout
-        assert layout is not None
-        if groups is None:
-            groups = layout.tensor_arrays
-        if isinstance(groups, range) or not groups:
-            raise InvalidTransferError("groups is a non-empty sequence of ranges of arrays")
-        ranges = tuple(groups)
-        for group in ranges:
-            check_arrays(group, layout.num_arrays)
+        ranges = self._groups(groups)
         gpu = self._ids(hashes, gpu_block_ids)
         keys = list(hashes)
         host = self.index.begin_load(keys)
@@ -185,6 +270,44 @@ class KVTier:
             for transfer in transfers:
                 transfer.add_done_callback(one_done)
         return LayerLoad(ranges, tuple(transfers))
+
+    def store_layers(
+        self,
+        hashes: Sequence[BlockHash],
+        gpu_block_ids: BlockIds,
+        groups: Sequence[range] | None = None,
+        *,
+        method: Method = "auto",
+    ) -> LayerStore:
+        """``store``, one copy per group of arrays, each queued when the caller says
+        (``LayerStore.store_group(i)``, as prefill finishes layer ``i``): host blocks are
+        given now; see :class:`LayerStore`. Bad input raises InvalidTransferError with
+        nothing changed."""
+        ranges = self._groups(groups)
+        layout = self.manager.kv_layout
+        assert layout is not None
+        if sorted(a for group in ranges for a in group) != list(range(layout.num_arrays)):
+            raise InvalidTransferError(
+                "the groups of a layer-wise store must hold every array once: a block "
+                "is loadable only when all of it is stored"
+            )
+        gpu = self._ids(hashes, gpu_block_ids)
+        plan = self.index.begin_store(hashes)
+        return LayerStore(self, plan, [gpu[i] for i in plan.positions], ranges, method)
+
+    def _groups(self, groups: Sequence[range] | None) -> tuple[range, ...]:
+        from asyncpin._router import check_arrays  # torch: see the module docstring
+
+        layout = self.manager.kv_layout
+        assert layout is not None
+        if groups is None:
+            return layout.tensor_arrays
+        if isinstance(groups, range) or not groups:
+            raise InvalidTransferError("groups is a non-empty sequence of ranges of arrays")
+        ranges = tuple(groups)
+        for group in ranges:
+            check_arrays(group, layout.num_arrays)
+        return ranges
 
     def touch(self, hashes: Iterable[BlockHash]) -> None:
         self.index.touch(hashes)
@@ -221,7 +344,19 @@ class KVTier:
         finally:
             self.index.remove_listener(deliver)
 
+    def stats(self) -> TierStats:
+        """The index's counters, the bytes its resident blocks hold, the policy and
+        ``dropped_events``: a frozen snapshot, O(1) (``TierCollector`` exports it)."""
+        layout = self.manager.kv_layout
+        return TierStats.from_index(
+            self.index,
+            host_block_bytes=layout.host_block_bytes if layout is not None else None,
+            dropped_events=self.dropped_events,
+        )
+
     def _ids(self, hashes: Sequence[BlockHash], gpu_block_ids: BlockIds) -> list[int]:
+        from asyncpin.transfers import block_ids  # torch: see the module docstring
+
         gpu = block_ids(gpu_block_ids, "gpu_block_ids", self._num_blocks)
         if len(gpu) != len(hashes):
             raise InvalidTransferError(

@@ -69,15 +69,24 @@ class _Entry:
 
 @dataclass(frozen=True, slots=True)
 class IndexStats:
+    """A snapshot of a :class:`BlockIndex`'s counters (every one since it was made) and of
+    its blocks now. Counts are of blocks unless named otherwise."""
+
+    #: ``lookup`` calls; of the hashes they asked for (``looked_up_blocks``), those found:
+    #: the leading loadable ones (``hit_blocks``).
     lookups: int
     hit_blocks: int
     looked_up_blocks: int
+    #: ``begin_store`` calls; blocks whose store ended ok (now loadable); hashes left out
+    #: for want of room; blocks whose store ended not ok (freed, never loadable).
     stores: int
     stored_blocks: int
     skipped_blocks: int
     failed_blocks: int
+    #: Loadable blocks dropped to make room, and by ``remove`` / ``clear``.
     evicted_blocks: int
     removed_blocks: int
+    #: Loadable blocks now, and host blocks neither indexed nor used by a copy.
     resident_blocks: int
     free_blocks: int
 
@@ -120,6 +129,7 @@ class BlockIndex:
         self._keep: set[BlockHash] = set()
         self._open_plans: set[int] = set()  # id() of the plans not ended yet
         self._counts = _Counts()
+        self._resident = 0  # entries that are ready (loadable): kept, not counted at stats()
 
     @property
     def policy(self) -> str:
@@ -156,6 +166,8 @@ class BlockIndex:
         return len(self._entries)
 
     def stats(self) -> IndexStats:
+        """The counters and block counts now: O(1), so a metrics scrape may call it often
+        (from another thread, one field may be a moment older than another)."""
         c = self._counts
         return IndexStats(
             lookups=c.lookups,
@@ -167,7 +179,7 @@ class BlockIndex:
             failed_blocks=c.failed_blocks,
             evicted_blocks=c.evicted_blocks,
             removed_blocks=c.removed_blocks,
-            resident_blocks=sum(1 for e in self._entries.values() if e.ready),
+            resident_blocks=self._resident,
             free_blocks=len(self._free),
         )
 
@@ -247,6 +259,7 @@ class BlockIndex:
                 continue
             if ok:
                 entry.ready = True
+                self._resident += 1
                 self._policy.insert(h)
                 self._counts.stored_blocks += 1
                 self._emit("stored", h, block)
@@ -264,6 +277,7 @@ class BlockIndex:
             return None
         key = cast(BlockHash, victim)
         entry = self._entries.pop(key)
+        self._resident -= 1  # only a ready entry is evictable
         self._counts.evicted_blocks += 1
         self._emit("removed", key, entry.host_block)
         return entry.host_block
@@ -330,6 +344,7 @@ class BlockIndex:
     def _drop(self, h: BlockHash, entry: _Entry) -> None:
         users = entry.readers + (0 if entry.ready else 1)  # a store in flight is a user
         if entry.ready:
+            self._resident -= 1
             self._policy.remove(h)
             self._counts.removed_blocks += 1
             self._emit("removed", h, entry.host_block)

@@ -3,8 +3,9 @@
 Runs ``asyncpin._kernels.kv_copy`` under ``TRITON_INTERPRET=1`` over CPU tensors for the
 layouts of ``tests/layouts.py`` (the ones whose blocks are whole 8-byte words), random
 ranges of arrays and both directions, as the engine launches it: over the host region
-(the ``kernel`` method: host block ``c`` at ``c * host_block_bytes``) and over a staging
-buffer (``pack``: slot ``j`` of the range's span). Every byte is compared with the layout's
+(the ``kernel`` method: host block ``c`` at ``c * host_block_bytes``, or one rank's part
+of blocks that several ranks share) and over a staging buffer (``pack``: slot ``j`` of
+the range's span). Every byte is compared with the layout's
 definition. A check of the arithmetic only: the GPU run is what proves the kernel.
 
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python bench/probes/kernel_on_cpu.py
@@ -51,9 +52,13 @@ def check(case: str, seed: int) -> None:
     gpu = rng.sample(range(24), n)
     for staging in (False, True):
         slots = rng.sample(range(16), n) if not staging else list(range(n))
-        stride = span if staging else layout.host_block_bytes
+        # The region: rank ``rank`` of ``ranks`` sharing each host block (host_slice).
+        ranks = 1 if staging else rng.choice([1, 2, 3])
+        rank = rng.randrange(ranks)
+        stride = span if staging else layout.host_block_bytes * ranks
         host = torch.zeros(16, stride, dtype=torch.uint8)
-        base = host.data_ptr() - (offset if staging else 0)
+        first = -offset if staging else rank * layout.host_block_bytes
+        base = host.data_ptr() + first
         ids = [torch.tensor(gpu), torch.tensor(slots)]
         before = [r.clone() for r in raw]
         kv_copy[(3,)](
@@ -68,13 +73,13 @@ def check(case: str, seed: int) -> None:
             BLOCK=512,
         )
         for a in arrays:
-            start = layout.array_offsets[a] - (offset if staging else 0)
+            start = layout.array_offsets[a] + first
             for g, c in zip(gpu, slots, strict=True):
                 part = host[c, start : start + layout.array_block_bytes[a]]
                 assert torch.equal(part, raw[a][g]), (case, seed, staging, "store", a)
         outside = host.clone()
         for a in arrays:
-            start = layout.array_offsets[a] - (offset if staging else 0)
+            start = layout.array_offsets[a] + first
             outside[slots, start : start + layout.array_block_bytes[a]] = 0
         assert not outside.any(), (case, seed, staging, "store wrote outside its bytes")
         for r in raw:

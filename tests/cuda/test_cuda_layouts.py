@@ -90,3 +90,80 @@ async def test_no_kernel_variant_is_compiled_after_open_for_any_range() -> None:
                     await mgr.store(gpu, cpu, method=method, arrays=arrays)
                     await mgr.load(cpu, gpu, method=method, arrays=arrays)
         assert len(compiled) == after_open
+
+
+@pytest.mark.parametrize("method", METHODS)
+async def test_tensor_parallel_ranks_share_host_blocks(method: Any, shm_name: str) -> None:
+    """Two ranks (their own KV arrays) over one shared region, ``host_slice=(rank, 2)``:
+    the same host block ids, each rank's part in place, by every method."""
+    layouts = [build("joined", BLOCKS, "cuda", seed=rank) for rank in range(2)]
+    kept = [[raw.clone() for raw in layout.byte_arrays()] for layout in layouts]
+    gpu, cpu = list(range(0, 80, 2)), list(range(40))
+    with anyio.fail_after(TIMEOUT_S):
+        async with (
+            OffloadManager.for_kv(
+                layouts[0],
+                HOST_BLOCKS,
+                backend="cuda",
+                backing="shared",
+                name=shm_name,
+                host_slice=(0, 2),
+            ) as first,
+            OffloadManager.attached(
+                shm_name,
+                backend="cuda",
+                kv_layout=layouts[1],
+                num_host_blocks=HOST_BLOCKS,
+                host_slice=(1, 2),
+            ) as second,
+        ):
+            managers = [first, second]
+            for mgr in managers:
+                await mgr.pinned
+            for mgr in managers:
+                await mgr.store(gpu, cpu, method=method)
+            hb = layouts[0].host_block_bytes
+            region = first.host_view()
+            for rank in range(2):
+                for g, c in zip(gpu, cpu, strict=True):
+                    part = region[(2 * c + rank) * hb :][:hb].cuda()
+                    assert torch.equal(part, torch.cat([raw[g] for raw in kept[rank]]))
+            del region
+            for layout in layouts:
+                for raw in layout.byte_arrays():
+                    raw.zero_()
+            dest = list(range(1, 81, 2))
+            for mgr in managers:
+                await mgr.load(cpu, dest, method=method)
+            for rank, layout in enumerate(layouts):
+                for a, raw in enumerate(layout.byte_arrays()):
+                    assert torch.equal(raw[dest], kept[rank][a][gpu])
+
+
+async def test_layer_stores_wait_for_the_compute_that_writes_each_layer() -> None:
+    """Prefill writes layer i on the compute stream, then queues group i's store: each
+    copy waits for that work (the caller's stream at submission), never reading a layer
+    before it is written."""
+    layers, blocks = 8, 64
+    kv = [
+        torch.zeros(2, blocks, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+        for _ in range(layers)
+    ]
+    layout = KVLayout.from_tensors(kv, block_dim=1)
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, blocks, backend="cuda") as mgr:
+            await mgr.pinned
+            tier = KVTier(mgr)
+            compute = torch.cuda.Stream()
+            ids = list(range(32))
+            store = tier.store_layers(list(range(500, 532)), ids)
+            with torch.cuda.stream(compute):
+                for i, t in enumerate(kv):
+                    torch.cuda._sleep(2_000_000)  # a slow layer: the copy must wait for it
+                    t[:, :32].fill_(i + 1)
+                    store.store_group(i)
+            await store
+            assert tier.lookup(list(range(500, 532))) == 32
+            host = mgr.host_blocks()
+            for i in range(layers):
+                assert bool((host[list(store.plan.host_blocks), 2 * i : 2 * i + 2] == i + 1).all())

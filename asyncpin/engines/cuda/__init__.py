@@ -70,6 +70,10 @@ class CudaTransferEngine:
             array_bytes=layout.array_block_bytes,
             host_base=host_blocks.data_ptr(),
             chunk_bytes=setup.chunk_bytes,
+            # Rows of a region that interleaves several ranks' host blocks are further
+            # apart than a host block; chunks count from the region's start.
+            host_stride=host_blocks.stride(0),
+            region_base=host_blocks.untyped_storage().data_ptr(),
         )
         kernel = load_kernel()
         # pack and kernel may be asked for where Triton is; they run as batch on a layout
@@ -80,6 +84,7 @@ class CudaTransferEngine:
             array_strides=strides,
             array_bytes=layout.array_block_bytes,
             host_bases=[self._plan.host_base],
+            host_stride=self._plan.host_stride,
         )
         if kernel is not None and self._misaligned is not None:
             _log.warning("transfer.kernel_disabled", reason=self._misaligned, fallback="batch")

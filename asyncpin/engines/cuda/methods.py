@@ -222,7 +222,7 @@ class CopyMethods:
             offset, stride = plan.span(arrays)
             host_base -= offset  # the span's first array lies at the slot's start
         else:
-            stride = plan.host_block_bytes
+            stride = plan.host_stride
         n_segments = (ids.shape[1] if count < 0 else count) * len(arrays)
         self.kernel[(max(min(ctas, n_segments), 1),)](
             ids[0],

@@ -58,6 +58,7 @@ def kernel_misalignment(
     array_strides: Sequence[int],
     array_bytes: Sequence[int],
     host_bases: Sequence[int],
+    host_stride: int = 0,
     word: int = KERNEL_WORD,
 ) -> str | None:
     """Why the copy kernel must not run on this layout, or None when it may.
@@ -70,8 +71,8 @@ def kernel_misalignment(
     slot ``c``, array ``a``. Every one is a multiple of ``word`` exactly when each term
     is: each array's base address, block stride (bytes) and block size (so that blocks
     are whole words, and the offsets and strides above, sums of block sizes, are too),
-    and each host base. A pure function of addresses, so that it is tested without a
-    GPU."""
+    each host base and the host block stride. A pure function of addresses, so that it
+    is tested without a GPU."""
     checks: list[tuple[str, int]] = []
     for a, (ptr, stride, size) in enumerate(
         zip(array_ptrs, array_strides, array_bytes, strict=True)
@@ -82,6 +83,7 @@ def kernel_misalignment(
             (f"device array {a}'s block stride", stride),
         ]
     checks += [(f"host base {n}", base) for n, base in enumerate(host_bases)]
+    checks.append(("host block stride", host_stride))  # ranks' host blocks side by side
     for what, value in checks:
         if value % word:
             return f"{what} ({value:#x}) is not a multiple of the copy kernel's {word}-byte word"
@@ -143,9 +145,11 @@ class AddressPlan:
 
     Segment ``(g, a)`` (device block ``g`` of array ``a``, ``array_bytes[a]`` bytes) lies
     at ``array_ptrs[a] + g * array_strides[a]`` on the device; host block ``c``'s copy of
-    it at ``host_base + c * host_block_bytes + offsets[a]`` (block-major: every array's
-    block back to back, in order). A job may move a range of consecutive arrays only: its
-    part of a host block is then one span, ``span(arrays)``."""
+    it at ``host_base + c * host_stride + offsets[a]`` (block-major: every array's block
+    back to back, in order; ``host_stride`` is ``host_block_bytes`` unless the region
+    interleaves several ranks' host blocks). A job may move a range of consecutive arrays
+    only: its part of a host block is then one span, ``span(arrays)``. Registrations
+    (chunks) are ``chunk_bytes`` spans from ``region_base`` (``host_base`` by default)."""
 
     def __init__(
         self,
@@ -155,17 +159,21 @@ class AddressPlan:
         array_bytes: Sequence[int],
         host_base: int,
         chunk_bytes: int,
+        host_stride: int | None = None,
+        region_base: int | None = None,
     ) -> None:
         self.num_arrays = len(array_ptrs)
         self.array_bytes = list(array_bytes)
         self.offsets = [sum(self.array_bytes[:a]) for a in range(self.num_arrays)]
         self.host_block_bytes = sum(self.array_bytes)
         self.all_arrays = range(self.num_arrays)
+        self.host_stride = self.host_block_bytes if host_stride is None else host_stride
         self.host_base = host_base
+        self.region_base = host_base if region_base is None else region_base
         self.chunk_bytes = chunk_bytes
-        # Host blocks start at the region's start, as chunks do: no block crosses a
-        # registration boundary when blocks tile chunks.
-        self.blocks_tile_chunks = chunk_bytes % self.host_block_bytes == 0
+        # Host blocks (every rank's part of one) start at the region's start, as chunks do:
+        # no block crosses a registration boundary when they tile chunks.
+        self.blocks_tile_chunks = chunk_bytes % self.host_stride == 0
         # The same table two ways: python (small transfers) and CPU tensors.
         self._arrays = list(
             zip(array_ptrs, array_strides, self.offsets, self.array_bytes, strict=True)
@@ -219,7 +227,7 @@ class AddressPlan:
         lists."""
         arrays = self.all_arrays if arrays is None else arrays
         if not tensors:
-            base, block = self.host_base, self.host_block_bytes
+            base, block = self.host_base, self.host_stride
             table = self._arrays[arrays.start : arrays.stop]
             device = [p + g * stride for g in gpu_ids for p, stride, _, _ in table]
             host = [base + c * block + off for c in cpu_ids for _, _, off, _ in table]
@@ -228,9 +236,7 @@ class AddressPlan:
         g = torch.tensor(gpu_ids, dtype=torch.int64)[:, None]
         c = torch.tensor(cpu_ids, dtype=torch.int64)[:, None]
         device_t = (self.ptrs_cpu[None, part] + g * self.strides_cpu[None, part]).reshape(-1)
-        host_t = (
-            self.host_base + c * self.host_block_bytes + self.offsets_cpu[None, part]
-        ).reshape(-1)
+        host_t = (self.host_base + c * self.host_stride + self.offsets_cpu[None, part]).reshape(-1)
         sizes = self.bytes_cpu[part].repeat(len(cpu_ids))
         return device_t, host_t, sizes
 
@@ -248,7 +254,7 @@ class AddressPlan:
     def _cut_range(self, h: int, o: int, z: int) -> Iterator[tuple[int, int, int]]:
         """Range ``[h, h + z)`` of the region (and its partner at ``o``) cut at chunk
         boundaries."""
-        base, chunk = self.host_base, self.chunk_bytes
+        base, chunk = self.region_base, self.chunk_bytes
         while z > 0:
             part = min(z, base + ((h - base) // chunk + 1) * chunk - h)
             yield h, o, part
@@ -267,7 +273,7 @@ class AddressPlan:
         self, host: torch.Tensor, other: torch.Tensor, sizes: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``cut`` for int64 tensors: the ranges that cross a boundary go last, in parts."""
-        base, chunk = self.host_base, self.chunk_bytes
+        base, chunk = self.region_base, self.chunk_bytes
         crosses = (host - base) // chunk != (host + sizes - 1 - base) // chunk
         if not bool(crosses.any()):
             return host, other, sizes
@@ -290,7 +296,7 @@ class AddressPlan:
         span of ``arrays``, all by default, to a staging slot of that size), never across
         a registration (chunk) boundary, dealt alternately to the streams."""
         offset, size = self.span(self.all_arrays if arrays is None else arrays)
-        step, base, chunk = self.host_block_bytes, self.host_base, self.chunk_bytes
+        step, base, chunk = self.host_stride, self.host_base, self.chunk_bytes
         host: list[int] = []
         local: list[int] = []
         sizes: list[int] = []
@@ -298,7 +304,7 @@ class AddressPlan:
             h = base + c * step + offset
             # Blocks that tile chunks cross no boundary; a run is not merged across a
             # chunk's start.
-            if host and h == host[-1] + sizes[-1] and (h - base) % chunk:
+            if host and h == host[-1] + sizes[-1] and (h - self.region_base) % chunk:
                 sizes[-1] += size
             else:
                 host.append(h)
