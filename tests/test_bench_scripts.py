@@ -20,8 +20,17 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 TIMEOUT_S = 300.0
 
-SCRIPTS = ["capture", "hit_rates", "layerwise", "pinning", "soak", "tier_index", "transfers"]
-NEED_A_GPU = ["capture", "soak"]  # without --quick
+SCRIPTS = [
+    "capture",
+    "hit_rates",
+    "layerwise",
+    "llama_ttft",
+    "pinning",
+    "soak",
+    "tier_index",
+    "transfers",
+]
+NEED_A_GPU = ["capture", "llama_ttft", "soak"]  # without --quick
 
 
 def run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

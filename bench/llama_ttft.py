@@ -1,0 +1,253 @@
+"""TTFT of a Llama prefix hit restored from the KV tier, against a full prefill and the prefix
+kept on the GPU (transformers, Llama-3.1-8B shapes, random bf16 weights, nothing downloaded).
+
+    python bench/llama_ttft.py --json-out bench/results/llama-ttft.json
+    python bench/llama_ttft.py --prompts 2048,8192 --repeats 3
+    python bench/llama_ttft.py --quick            # tiny config on the CPU: checks the script
+
+For each prompt size P: request 1 (P random tokens) is prefilled and its P/16 blocks are
+stored in the tier (2 MiB host blocks: 32 layers of K and V, 32 KiB each); request 2 is the
+same P tokens and ``--suffix`` other ones. Request 2's time to first token (TTFT: from the
+device idle to the first greedy token on the host, CUDA-synchronised), median of
+``--repeats`` after ``--warmup`` runs of each way, the ways interleaved:
+
+- ``full``: prefill all of request 2 (no prefix cache);
+- ``host_layerwise``: lookup, load the prefix into fresh pool blocks one transfer per layer
+  (``KVTier.load_layers``); layer i waits for its own load only, then gathers its blocks;
+- ``host_whole``: the same with one load of every layer (layer 0 waits for all of it);
+- ``kept``: the prefix never left the GPU: gather the pool blocks, prefill the suffix.
+
+The check: each way generates ``--new-tokens`` greedy tokens once; both host ways must give
+the kept way's tokens, and the restored blocks must equal the kept ones bit for bit (exit
+status 1 otherwise). Whether a full prefill gives the same tokens is reported only. Uses
+``examples/llama_prefix.py`` (its engine: a paged pool ``[blocks, 8, 16, 128]`` per layer's
+K and V).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+import transformers
+
+# Appended, not prepended: the asyncpin under test is the one PYTHONPATH names first.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from asyncpin import KVLayout, OffloadManager
+from asyncpin.tier import KVTier
+from bench._common import format_bytes, machine, median, parser, quiet_logs, require_gpu, write_json
+from examples.llama_prefix import (
+    PrefixEngine,
+    Served,
+    build_model,
+    default_dtype,
+    llama_config,
+    prefill_and_offload,
+    same_bytes,
+    serve,
+)
+
+WAYS = ("full", "host_layerwise", "host_whole", "kept")
+
+
+def _prompts(vocab: int, tokens: int, suffix: int, seed: int) -> tuple[list[int], list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    first = torch.randint(0, vocab, (tokens + suffix,), generator=g).tolist()
+    second = torch.randint(0, vocab, (suffix,), generator=g).tolist()
+    if second[0] == first[tokens]:
+        second[0] = (second[0] + 1) % vocab
+    return first[:tokens], first[:tokens] + second
+
+
+async def _serve(
+    engine: PrefixEngine, tier: KVTier, prompt: list[int], way: str, new: int
+) -> Served:
+    if way.startswith("host"):
+        served = await serve(
+            engine, tier, prompt, mode="host", layerwise=way == "host_layerwise", new_tokens=new
+        )
+    else:
+        served = await serve(
+            engine, tier, prompt, mode="full" if way == "full" else "kept", new_tokens=new
+        )
+    return served
+
+
+async def measure_size(
+    engine: PrefixEngine,
+    tier: KVTier,
+    tokens: int,
+    *,
+    suffix: int,
+    repeats: int,
+    warmup: int,
+    new_tokens: int,
+    seed: int,
+) -> dict[str, Any]:
+    vocab = int(engine.model.config.vocab_size)
+    first, prompt = _prompts(vocab, tokens, suffix, seed)
+    hashes, kept_ids = await prefill_and_offload(engine, tier, first)
+    samples: dict[str, list[float]] = {way: [] for way in WAYS}
+    hit: dict[str, int] = {}
+    api: dict[str, str | None] = {}
+    loaded = 0
+    for rep in range(warmup + repeats):
+        for way in WAYS:
+            served = await _serve(engine, tier, prompt, way, 1)
+            engine.free(served.block_ids)
+            if rep >= warmup:
+                samples[way].append(served.ttft_s)
+            hit[way], api[way] = served.hit_blocks, served.load_api
+            loaded = max(loaded, served.loaded_bytes)
+    # The greedy check: every way once more, generating new_tokens.
+    kept_bytes = engine.read_blocks(kept_ids)
+    tokens_of: dict[str, list[int]] = {}
+    identical = True
+    for way in WAYS:
+        served = await _serve(engine, tier, prompt, way, new_tokens)
+        tokens_of[way] = served.tokens
+        if way.startswith("host"):
+            restored = engine.read_blocks(served.block_ids)
+            identical &= all(
+                same_bytes(a, b[: served.hit_blocks])
+                for a, b in zip(restored, kept_bytes, strict=True)
+            )
+            del restored
+            engine.free(served.block_ids)
+    del kept_bytes
+    engine.drop_prefix(hashes)
+    ttft = {way: median(samples[way]) for way in WAYS}
+    return {
+        "request1_tokens": tokens,
+        "prompt_tokens": len(prompt),
+        "prefix_blocks": len(hashes),
+        "hit_blocks": hit,
+        "load_api": api,
+        "loaded_bytes": loaded,
+        "ttft_ms": {way: t * 1e3 for way, t in ttft.items()},
+        "samples_ms": {way: [t * 1e3 for t in s] for way, s in samples.items()},
+        "ratios": {
+            "full_over_host_layerwise": ttft["full"] / ttft["host_layerwise"],
+            "host_layerwise_over_kept": ttft["host_layerwise"] / ttft["kept"],
+            "host_whole_over_host_layerwise": ttft["host_whole"] / ttft["host_layerwise"],
+        },
+        # Bytes of the prefix over the time a host hit adds to a kept one (None: no time).
+        "restore_gbps": (
+            loaded / added / 1e9 if (added := ttft["host_layerwise"] - ttft["kept"]) > 0 else None
+        ),
+        "tokens": tokens_of,
+        "tokens_match": {
+            way: tokens_of[way] == tokens_of["kept"] for way in ("host_layerwise", "host_whole")
+        },
+        "kv_bit_identical": identical,
+        "full_prefill_match": tokens_of["full"] == tokens_of["kept"],
+    }
+
+
+async def bench(args: Any, device: torch.device) -> dict[str, Any]:
+    cfg = llama_config(args.config)
+    dtype = default_dtype(device)
+    model = build_model(cfg, device, dtype, args.seed)
+    bs = args.block_size
+    max_blocks = max(args.prompts) // bs
+    engine = PrefixEngine(model, block_size=bs, num_gpu_blocks=2 * max_blocks + 2)
+    layout = KVLayout.from_tensors(engine.kv_tensors)
+    doc: dict[str, Any] = {
+        "machine": machine(),
+        "transformers": transformers.__version__,
+        "config": args.config,
+        "dtype": str(dtype).removeprefix("torch."),
+        "block_size": bs,
+        "host_block_bytes": layout.host_block_bytes,
+        "suffix_tokens": args.suffix,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "new_tokens": args.new_tokens,
+        "sizes": {},
+    }
+    async with OffloadManager.for_kv(layout, max_blocks + 2) as mgr:
+        await mgr.pinned
+        tier = KVTier(mgr)
+        for n, tokens in enumerate(args.prompts):
+            doc["sizes"][str(tokens)] = await measure_size(
+                engine,
+                tier,
+                tokens,
+                suffix=args.suffix,
+                repeats=args.repeats,
+                warmup=args.warmup,
+                new_tokens=args.new_tokens,
+                seed=args.seed + 1 + n,
+            )
+    return doc
+
+
+def _table(doc: dict[str, Any]) -> None:
+    print(
+        f"{doc['config']} {doc['dtype']}, block {doc['block_size']} tokens "
+        f"({doc['host_block_bytes'] >> 10} KiB host block), suffix {doc['suffix_tokens']}, "
+        f"median of {doc['repeats']} (ms)"
+    )
+    print("full: no prefix cache; lw / all: prefix loaded from the host per layer / at once;")
+    print("kept: prefix kept on the GPU; GB/s: loaded bytes over (lw - kept)")
+    print(
+        f"{'prompt':>7} {'full':>9} {'host lw':>9} {'host all':>9} {'kept':>8} "
+        f"{'full/lw':>8} {'lw/kept':>8} {'all/lw':>7} {'loaded':>9} {'GB/s':>6}  tokens"
+    )
+    for row in doc["sizes"].values():
+        t, r = row["ttft_ms"], row["ratios"]
+        gbps = "-" if row["restore_gbps"] is None else f"{row['restore_gbps']:.1f}"
+        ok = all(row["tokens_match"].values()) and row["kv_bit_identical"]
+        check = "same" if ok else "DIFFER"
+        check += "" if row["full_prefill_match"] else " (full prefill: differs)"
+        print(
+            f"{row['prompt_tokens']:>7} {t['full']:>9.1f} {t['host_layerwise']:>9.1f} "
+            f"{t['host_whole']:>9.1f} {t['kept']:>8.1f} {r['full_over_host_layerwise']:>7.2f}x "
+            f"{r['host_layerwise_over_kept']:>7.2f}x {r['host_whole_over_host_layerwise']:>6.2f}x "
+            f"{format_bytes(row['loaded_bytes']):>9} {gbps:>6}  {check}"
+        )
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--out", dest="json_out", type=Path, help="same as --json-out")
+    p.add_argument("--config", choices=("tiny", "llama-3.1-8b"), default=None)
+    p.add_argument(
+        "--prompts",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=None,
+        help="request 1 prompt sizes, comma-separated (2048,8192,32768)",
+    )
+    p.add_argument("--suffix", type=int, default=64, help="request 2's tokens after the prefix")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens of the check")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if args.quick:
+        args.config = args.config or "tiny"
+        args.prompts = args.prompts or [64, 256]
+        args.repeats, args.warmup, args.new_tokens = 2, 1, 4
+        args.suffix = min(args.suffix, 16)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        require_gpu()
+        device = torch.device("cuda")
+    args.config = args.config or "llama-3.1-8b"
+    args.prompts = args.prompts or [2048, 8192, 32768]
+    quiet_logs()
+    doc = anyio.run(bench, args, device)
+    write_json(args.json_out, doc)
+    _table(doc)
+    rows = doc["sizes"].values()
+    if not all(all(r["tokens_match"].values()) and r["kv_bit_identical"] for r in rows):
+        sys.exit("the tokens or the restored KV differ from the kept prefix's")
+
+
+if __name__ == "__main__":
+    main()
