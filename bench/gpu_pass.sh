@@ -8,7 +8,7 @@
 # is this working tree. Each repeat runs bench/pinning.py and bench/transfers.py once
 # against each, the order alternating between repeats. Env: SKIP_TESTS=1 skips the tests;
 # REPEATS (default 3); QUICK=1 adds --quick to each run (a smoke test without a GPU); DEADLINE_S (default 530): no bench run starts when it could end
-# past it. AFTER_ONLY (default "layerwise"): scripts run once, on the new tree only,
+# past it. AFTER_ONLY (default "layerwise llama_ttft"): scripts run once, on the new tree only,
 # their JSON under $OUT. Under $OUT: cuda-tests.log, pass.json (every figure, every run, the table's
 # medians), logs.tar.gz (each run's output), summary.txt (the table printed last).
 set -uo pipefail
@@ -62,8 +62,8 @@ for rep in $(seq 1 "$REPEATS"); do
     run transfers "$side" "$rep" --repeats 30 --samples 300
   done
 done
-# Figures of the new tree alone (no before): $AFTER_ONLY, default the layer-wise loads.
-for script in ${AFTER_ONLY-layerwise}; do
+# Figures of the new tree alone (no before): $AFTER_ONLY, default the layer-wise loads and the Llama TTFT.
+for script in ${AFTER_ONLY-layerwise llama_ttft}; do
   left=$((DEADLINE_S + 60 - SECONDS))
   if [ $left -lt 30 ]; then echo "skip $script: ${left} s left"; continue; fi
   PYTHONPATH=$AFTER_PATH timeout $left python3 "bench/$script.py" ${QUICK:+--quick} \
