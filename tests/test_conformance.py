@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import threading
 from collections.abc import Awaitable, Callable
@@ -28,6 +29,7 @@ from asyncpin import KVLayout
 from asyncpin.abc import EngineSetup
 from asyncpin.backends import HostBackend
 from asyncpin.engines.host import HostTransferEngine
+from asyncpin.region import round_to_pages
 from asyncpin.testing import (
     FakeBackend,
     FakeEngine,
@@ -35,6 +37,7 @@ from asyncpin.testing import (
     check_transfer_engine,
 )
 from asyncpin.transfers import Direction, Method, Transfer, TransferJob, host_blocks_view
+from tests.layouts import CASES, build
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -65,6 +68,13 @@ def cuda_layout(num_blocks: int = 16) -> KVLayout:
         ],
         block_dim=1,
     )
+
+
+def host_blocks_for(layout: KVLayout, pageable_blocks: int = 4) -> int:
+    """Enough host blocks of ``layout`` for the check: whole pinned chunks (a page or more)
+    holding the blocks the pinned jobs need, with rows shared by two ranks too."""
+    hbb = layout.host_block_bytes
+    return max(16, pageable_blocks + 10 + -(-round_to_pages(hbb) // hbb))
 
 
 def cuda_registered(address: int, nbytes: int) -> bool:
@@ -183,6 +193,13 @@ class TestTransferEngineConformance:
         check = functools.partial(check_transfer_engine, num_host_blocks=20, pageable_blocks=6)
         run(check, anyio_backend, HostTransferEngine, layout)
 
+    @pytest.mark.parametrize("name", sorted(CASES))
+    def test_host_engine_every_layout(self, anyio_backend: str, name: str) -> None:
+        """Mixed block shapes and dtypes, dense permuted (HND) blocks, odd sizes."""
+        layout = build(name, 16, "cpu")
+        check = functools.partial(check_transfer_engine, num_host_blocks=host_blocks_for(layout))
+        run(check, anyio_backend, HostTransferEngine, layout)
+
     def test_fake_engine_that_copies(self, anyio_backend: str) -> None:
         factory = functools.partial(FakeEngine, auto=True, copy=True)
         run(check_transfer_engine, anyio_backend, factory, cpu_layout())
@@ -207,6 +224,33 @@ class TestTransferEngineConformance:
                 check_transfer_engine, backend=CudaBackend(), method=cast(Method, method)
             )
             run(check, anyio_backend, factory, cuda_layout())
+
+    @pytest.mark.cuda
+    @pytest.mark.parametrize("name", ["flashinfer_hnd", "mla_indexer"])
+    def test_cuda_engine_mixed_and_hnd_layouts(self, anyio_backend: str, name: str) -> None:
+        from asyncpin.cuda import CudaBackend
+        from asyncpin.engines.cuda import CudaTransferEngine
+
+        made: list[CudaTransferEngine] = []
+
+        def factory(setup: EngineSetup) -> CudaTransferEngine:
+            made.append(CudaTransferEngine(setup))
+            return made[-1]
+
+        layout = build(name, 16, "cuda")
+        blocks = host_blocks_for(layout)
+        check = functools.partial(
+            check_transfer_engine, backend=CudaBackend(), num_host_blocks=blocks
+        )
+        run(check, anyio_backend, factory, layout)
+        for method in made[0].methods():
+            check = functools.partial(
+                check_transfer_engine,
+                backend=CudaBackend(),
+                num_host_blocks=blocks,
+                method=cast(Method, method),
+            )
+            run(check, anyio_backend, factory, layout)
 
 
 class BrokenEngine:
@@ -304,6 +348,46 @@ class WrongPath(BrokenEngine):
         job.transfer.path = "pinned"
 
 
+class IgnoresArrays(HostTransferEngine):
+    """Copies every array of a job, whatever ``job.arrays`` says."""
+
+    name = "ignores-arrays"
+
+    def _copy(self, job: TransferJob) -> None:
+        super()._copy(dataclasses.replace(job, arrays=None))
+
+
+class IgnoresRowStride(HostTransferEngine):
+    """Takes host blocks to lie ``host_block_bytes`` apart, not ``host_blocks.stride(0)``
+    (right only while no ranks share the rows)."""
+
+    name = "ignores-row-stride"
+
+    def __init__(self, setup: EngineSetup) -> None:
+        super().__init__(setup)
+        host = setup.host_blocks
+        self._host = host.as_strided(tuple(host.shape), (setup.layout.host_block_bytes, 1))
+
+
+class CopiesLogicalOrder(HostTransferEngine):
+    """Copies each block's elements in logical order (``array[g].reshape(-1)``), not as
+    they lie in memory: right for contiguous blocks, wrong for permuted (HND) ones."""
+
+    name = "logical-order"
+
+    def _copy(self, job: TransferJob) -> None:
+        host, layout = self._host, self._layout
+        assert host is not None
+        for a in job.arrays or range(layout.num_arrays):
+            array, start = layout.arrays[a], layout.array_offsets[a]
+            for g, c in zip(job.gpu_ids, job.cpu_ids, strict=True):
+                part = host[c, start : start + layout.array_block_bytes[a]]
+                if job.transfer.direction == "store":
+                    part.copy_(array[g].reshape(-1).view(torch.uint8))
+                else:
+                    array[g].copy_(part.view(array.dtype).view(array[g].shape))
+
+
 class TestTransferEngineCheckFails:
     """check_transfer_engine raises AssertionError on an engine that breaks the contract."""
 
@@ -316,12 +400,35 @@ class TestTransferEngineCheckFails:
             (KeepsTheView, "outlives close"),
             (CopiesOnTheLoop, "ran on the event loop"),
             (WrongPath, "not 'pageable'"),
+            (
+                IgnoresArrays,
+                r"after a store of arrays 1 to 3 \(only those arrays move\), host block \d+ "
+                "holds wrong bytes: .* in array 0 ",
+            ),
+            (
+                IgnoresRowStride,
+                r"\(host rows shared by ranks: host_slice=\(1, 2\)\): after a store, the "
+                "engine wrote outside its host blocks",
+            ),
         ],
         ids=lambda v: v if isinstance(v, str) else v.__name__,
     )
     def test_broken_engine(self, anyio_backend: str, engine: Any, match: str) -> None:
         with pytest.raises(AssertionError, match=match):
             run(check_transfer_engine, anyio_backend, engine, cpu_layout())
+
+    def test_logical_order_on_permuted_blocks(self, anyio_backend: str) -> None:
+        """Right on contiguous blocks; caught on FlashInfer's HND blocks, whose bytes lie
+        heads first."""
+        for name in ("joined", "flashinfer_hnd"):
+            layout = build(name, 16, "cpu")
+            blocks = host_blocks_for(layout)
+            check = functools.partial(check_transfer_engine, num_host_blocks=blocks)
+            if name == "joined":
+                run(check, anyio_backend, CopiesLogicalOrder, layout)
+                continue
+            with pytest.raises(AssertionError, match=r"after a store, host block \d+ holds wrong"):
+                run(check, anyio_backend, CopiesLogicalOrder, layout)
 
     def test_a_job_never_reported(self, anyio_backend: str) -> None:
         check = functools.partial(check_transfer_engine, timeout_s=0.5)

@@ -50,9 +50,12 @@ async def check_transfer_engine(
       did not run on the loop); ``start_soon`` is called on the loop thread only;
     - every job is reported exactly once, on the event loop thread, with no error (or
       with the one expected), within ``timeout_s``; an empty job is reported too;
-    - stores then loads round-trip byte for byte, through the block-major host layout,
-      with no other host or device block touched (one store waits on a
-      ``record_ready()`` marker);
+    - stores then loads round-trip byte for byte, each array's block as it lies in
+      memory (dense permuted blocks too), through the block-major host layout, with no
+      other host or device block touched (one store waits on a ``record_ready()``
+      marker);
+    - stores and loads of a range of arrays (``job.arrays``) move those arrays' blocks
+      only: the other arrays' blocks stay as they were, on the host and on the device;
     - pinned jobs of one direction submitted at once are reported in submission order,
       and the later one to the same block wins, with stores and loads in flight together;
     - pageable jobs copy through the unpinned blocks (``path`` is ``pageable``) and call
@@ -61,19 +64,24 @@ async def check_transfer_engine(
     - after every job was reported: the engine's tasks end when cancelled, none failed,
       ``close()`` in a worker thread returns, every thread the engine started has ended,
       no view of the host blocks outlives it (the region unmaps at release), and no job
-      is reported again.
+      is reported again;
+    - then, on a second engine whose host blocks are rank 1's part of rows shared by two
+      ranks (``host_slice=(1, 2)``: rows ``host_blocks.stride(0)``, two host blocks,
+      apart), stores, loads, ranges of arrays and pageable jobs again, with no byte of
+      the other rank's part of any row touched, and its close.
 
     ``layout`` holds the device arrays (CPU tensors for the host engine, CUDA tensors
     for the cuda engine); the check overwrites them. ``method`` is what pinned jobs ask
     for. The check cannot see the loop blocked by a ``submit`` that waits and reports
     later, nor require a store and a load to overlap (it is allowed, not demanded).
     """
-    h = EngineHarness(
-        factory, layout, num_host_blocks, pageable_blocks, chunk_bytes, backend, seed, timeout_s
-    )
+    args = (factory, layout, num_host_blocks, pageable_blocks, chunk_bytes, backend)
+    h = EngineHarness(*args, seed, timeout_s)
+    shared = EngineHarness(*args, seed + 1, timeout_s, host_slice=(1, 2))
     try:
         engine = await h.start(method)
         await _round_trip(h, engine, method)
+        await _array_ranges(h, engine, method)
         await _empty_jobs(h, engine, method)
         await _order(h, engine, method)
         await _pageable(h, engine, method)
@@ -81,6 +89,16 @@ async def check_transfer_engine(
     finally:
         with anyio.CancelScope(shield=True):
             await h.cleanup()
+    # Host rows shared by two ranks: the engine writes its part of each row only.
+    try:
+        engine = await shared.start(method)
+        await _round_trip(shared, engine, method)
+        await _array_ranges(shared, engine, method)
+        await _pageable(shared, engine, method)
+        await _close(shared, engine)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await shared.cleanup()
 
 
 async def _round_trip(h: EngineHarness, engine: TransferEngine, method: Method) -> None:
@@ -94,6 +112,36 @@ async def _round_trip(h: EngineHarness, engine: TransferEngine, method: Method) 
     h.submit(engine, load, pageable=False)
     await h.wait([load], "a load of the blocks stored")
     h.compare("a load of the blocks stored")
+
+
+def _ranges(layout: KVLayout) -> list[range]:
+    """Ranges of arrays a job may name: all but the first, the last tensor's arrays (a
+    layer-wise load or store), the middle array alone; every array when there is one."""
+    n = layout.num_arrays
+    ranges: list[range] = []
+    for arrays in (range(1, n), layout.tensor_arrays[-1], range(n // 2, n // 2 + 1)):
+        if arrays and arrays not in ranges:
+            ranges.append(arrays)
+    return ranges
+
+
+async def _array_ranges(h: EngineHarness, engine: TransferEngine, method: Method) -> None:
+    """A store and a load of each range of arrays, over blocks whose bytes all differ
+    (the device blocks renewed, the host blocks holding what the round trip left): only
+    the range's part of each block moves."""
+    p = h.pinned
+    for arrays in _ranges(h.layout):
+        what = f"arrays {arrays.start} to {arrays.stop - 1}"
+        for g in range(h.layout.num_blocks):
+            h.blocks.renew_device(g)
+        store = h.job("store", [1, 2], [p[0], p[1]], method, arrays=arrays)
+        h.submit(engine, store, pageable=False)
+        await h.wait([store], f"a store of {what}")
+        h.compare(f"a store of {what} (only those arrays move)")
+        load = h.job("load", [3, 4], [p[1], p[2]], method, arrays=arrays)
+        h.submit(engine, load, pageable=False)
+        await h.wait([load], f"a load of {what}")
+        h.compare(f"a load of {what} (only those arrays move)")
 
 
 async def _empty_jobs(h: EngineHarness, engine: TransferEngine, method: Method) -> None:

@@ -1,5 +1,6 @@
-"""What the engine check runs an engine on: the host region with its first chunks pinned,
-the engine's tasks, and every job given to the engine with the reports of it."""
+"""What the engine check runs an engine on: the host region with its first chunks pinned
+(host blocks in rows of their own, or one rank's part of rows that ranks share), the
+engine's tasks, and every job given to the engine with the reports of it."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from asyncpin.abc import EngineFactory, EngineSetup, PinBackend, TransferEngine
 from asyncpin.kv import KVLayout
 from asyncpin.region import Chunk, HostRegion, round_to_pages
 from asyncpin.testing._engine_blocks import Blocks
-from asyncpin.transfers import Direction, Method, Transfer, TransferJob, host_bytes_view
+from asyncpin.transfers import Direction, Method, Transfer, TransferJob
 
 __all__ = ["BATCH", "EngineHarness"]
 
@@ -33,6 +34,10 @@ _MIN_PINNED_BLOCKS = 2 * BATCH + 3
 class _Record:
     job: TransferJob
     expected: BaseException | None
+    # What the job copies, as the check made it (an engine may not change it).
+    gpu_ids: list[int]
+    cpu_ids: list[int]
+    arrays: range | None
     done: anyio.Event = field(default_factory=anyio.Event)
     reports: list[tuple[int, BaseException | None]] = field(default_factory=list)
 
@@ -48,20 +53,30 @@ class _TaskLog:
 
 
 def _split(
-    hbb: int, num_host_blocks: int, pageable_blocks: int, chunk_bytes: int
+    hbb: int,
+    num_host_blocks: int,
+    pageable_blocks: int,
+    chunk_bytes: int,
+    host_slice: tuple[int, int],
 ) -> tuple[int, list[int], list[int]]:
-    """Where the pinned chunks end (the last whole chunk below ``pageable_blocks`` from the
-    end), the host blocks that lie wholly below that and the others; ValueError when
-    either are too few for the check."""
-    split = (num_host_blocks - pageable_blocks) * hbb
+    """Where the pinned chunks end (the last whole chunk below ``pageable_blocks`` rows
+    from the end), the host blocks that lie wholly below that and the others; ValueError
+    when either are too few for the check. Host block ``b`` lies at ``b * row + rank *
+    hbb`` in rows of ``ranks * hbb`` bytes."""
+    rank, ranks = host_slice
+    row = ranks * hbb
+    split = (num_host_blocks - pageable_blocks) * row
     pinned_end = split // chunk_bytes * chunk_bytes
-    pinned = [b for b in range(num_host_blocks) if (b + 1) * hbb <= pinned_end]
-    pageable = [b for b in range(num_host_blocks) if (b + 1) * hbb > pinned_end]
+    ends = [b * row + (rank + 1) * hbb for b in range(num_host_blocks)]
+    pinned = [b for b, end in enumerate(ends) if end <= pinned_end]
+    pageable = [b for b, end in enumerate(ends) if end > pinned_end]
     if len(pinned) < _MIN_PINNED_BLOCKS or len(pageable) < 2:
+        shared = f" ({ranks} ranks to a row)" if ranks > 1 else ""
         raise ValueError(
-            f"{num_host_blocks} host blocks of {hbb} bytes in chunks of {chunk_bytes} leave "
-            f"{len(pinned)} in pinned chunks and {len(pageable)} outside: the check needs at "
-            f"least {_MIN_PINNED_BLOCKS} and 2 (add host blocks or pageable_blocks)"
+            f"{num_host_blocks} host blocks of {hbb} bytes{shared} in chunks of "
+            f"{chunk_bytes} leave {len(pinned)} in pinned chunks and {len(pageable)} "
+            f"outside: the check needs at least {_MIN_PINNED_BLOCKS} and 2 (add host blocks "
+            "or pageable_blocks)"
         )
     return pinned_end, pinned, pageable
 
@@ -70,7 +85,10 @@ class EngineHarness:
     """One run of the check: :meth:`start` maps and pins the host blocks and makes the
     engine; :meth:`job`, :meth:`submit` and :meth:`wait` drive it, recording every report
     (a breach seen in a report or a task is a violation, raised by :meth:`verify`);
-    :meth:`cleanup` undoes what a failed check left."""
+    :meth:`cleanup` undoes what a failed check left. With ``host_slice=(rank, ranks)``
+    the engine's host blocks are rank ``rank``'s part of rows ``ranks`` host blocks long
+    (as :func:`~asyncpin.transfers.host_bytes_view` makes them); the rest of each row must
+    stay as it was."""
 
     def __init__(
         self,
@@ -82,8 +100,10 @@ class EngineHarness:
         backend: PinBackend | None,
         seed: int,
         timeout_s: float,
+        host_slice: tuple[int, int] = (0, 1),
     ) -> None:
         self.factory, self.layout, self.backend = factory, layout, backend
+        self.host_slice = host_slice
         self.timeout_s = timeout_s
         self.name = getattr(factory, "__name__", repr(factory))
         self.hbb = layout.host_block_bytes
@@ -94,11 +114,11 @@ class EngineHarness:
         if backend is not None and self.chunk_bytes > backend.max_pin_bytes:
             raise ValueError(f"chunk_bytes={chunk_bytes} is above the backend's max_pin_bytes")
         self.pinned_end, self.pinned, self.pageable = _split(
-            self.hbb, num_host_blocks, pageable_blocks, self.chunk_bytes
+            self.hbb, num_host_blocks, pageable_blocks, self.chunk_bytes, host_slice
         )
         if layout.num_blocks < _MIN_DEVICE_BLOCKS:
             raise ValueError(f"the check needs at least {_MIN_DEVICE_BLOCKS} device blocks")
-        self.blocks = Blocks(layout, num_host_blocks, seed)
+        self.blocks = Blocks(layout, num_host_blocks, seed, host_slice)
         self.loop_thread = threading.get_ident()
         self.token = anyio.lowlevel.current_token()
         self.task_log = _TaskLog()
@@ -120,8 +140,7 @@ class EngineHarness:
     async def start(self, method: Method) -> TransferEngine:
         """Map the region, pin the chunks below ``pinned_end``, fill the blocks, make the
         engine (checking ``methods()`` against ``method``) and prepare it."""
-        layout = self.layout
-        region = self.region = HostRegion.create(self.num_host * self.hbb)
+        region = self.region = HostRegion.create(self.num_host * self.host_slice[1] * self.hbb)
         if self.backend is not None:
             for chunk in region.chunks(self.chunk_bytes):
                 if chunk.offset + chunk.nbytes <= self.pinned_end:
@@ -134,16 +153,15 @@ class EngineHarness:
 
         self.threads_before = set(threading.enumerate())
         setup = EngineSetup(
-            layout,
-            host_bytes_view(region_bytes, layout, self.num_host),
-            self.chunk_bytes,
-            self._start_soon,
+            self.layout, self.blocks.host_view(region_bytes), self.chunk_bytes, self._start_soon
         )
         engine = self.engine = self.factory(setup)
         del setup, region_bytes
         if not isinstance(engine, TransferEngine):
             raise AssertionError(f"{self.name} made {engine!r}, not a TransferEngine")
         self.name = f"engine {engine.name!r}"
+        if self.host_slice[1] > 1:
+            self.name += f" (host rows shared by ranks: host_slice={self.host_slice})"
         methods = engine.methods()
         if (
             not isinstance(methods, tuple)
@@ -171,21 +189,26 @@ class EngineHarness:
         cpu_ids: list[int],
         method: Method,
         *,
+        arrays: range | None = None,
         ready: Any = None,
         reserve: Callable[[], None] | None = None,
         expected: BaseException | None = None,
     ) -> TransferJob:
-        transfer = Transfer(direction, len(gpu_ids), len(gpu_ids) * self.hbb)
+        """A job of ``direction`` (of ``arrays`` only, when set: a range of consecutive
+        arrays); ``expected``: the error it must be reported with (it copies nothing)."""
+        block_bytes = self.hbb if arrays is None else self.layout.span(arrays)[1]
+        transfer = Transfer(direction, len(gpu_ids), len(gpu_ids) * block_bytes)
         job = TransferJob(
             transfer,
-            gpu_ids,
-            cpu_ids,
+            list(gpu_ids),
+            list(cpu_ids),
             method,
+            arrays,
             ready=ready,
             reserve=reserve,
             on_finish=self._on_finish,
         )
-        self.records[job] = _Record(job, expected)
+        self.records[job] = _Record(job, expected, list(gpu_ids), list(cpu_ids), arrays)
         return job
 
     def submit(self, engine: TransferEngine, job: TransferJob, *, pageable: bool) -> None:
@@ -210,8 +233,10 @@ class EngineHarness:
                 f"{self.name}: a {transfer.direction} of {transfer.num_blocks} blocks was "
                 "reported before submit returned: its copy ran on the event loop"
             )
-        if self.records[job].expected is None:  # a job that must fail copies nothing
-            self.blocks.copied(job)
+        record = self.records[job]
+        if record.expected is None:  # a job that must fail copies nothing
+            direction = transfer.direction
+            self.blocks.copied(direction, record.gpu_ids, record.cpu_ids, record.arrays)
 
     def _on_finish(self, job: TransferJob, error: BaseException | None) -> None:
         record = self.records.get(job)
@@ -295,7 +320,7 @@ class EngineHarness:
                 )
             except Exception:
                 self.leaked.append(chunk)
-        self.blocks.region_bytes = None
+        self.blocks.drop_region()
         return self.region is None or self.region.release(keep=self.leaked)
 
     async def cleanup(self) -> None:
