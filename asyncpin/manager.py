@@ -322,6 +322,11 @@ class OffloadManager:
         return self._config.kv_layout
 
     @property
+    def host_slice(self) -> tuple[int, int]:
+        """(rank, ranks): this manager's part of the host blocks (``(0, 1)``: all)."""
+        return self._config.host_slice
+
+    @property
     def num_host_blocks(self) -> int:
         """Host blocks of the KV layout (0 without one)."""
         return self._config.num_host_blocks

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from asyncpin.tier.index import BlockIndex
+    from asyncpin.tier.remote import RemoteStats
 
 __all__ = ["ManagerStats", "TierStats"]
 
@@ -76,6 +77,8 @@ class TierStats:
     host_block_bytes: int | None
     resident_bytes: int | None
     dropped_events: int = 0
+    #: The remote tier's counters (``KVTier(..., remote=...)``), else None.
+    remote: RemoteStats | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -89,6 +92,7 @@ class TierStats:
         *,
         host_block_bytes: int | None = None,
         dropped_events: int = 0,
+        remote: RemoteStats | None = None,
     ) -> TierStats:
         """The snapshot of ``index`` (``resident_bytes`` only with ``host_block_bytes``)."""
         s = index.stats()
@@ -111,4 +115,5 @@ class TierStats:
                 None if host_block_bytes is None else s.resident_blocks * host_block_bytes
             ),
             dropped_events=dropped_events,
+            remote=remote,
         )

@@ -21,12 +21,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
+import anyio.abc
+import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from asyncpin.errors import ConfigError, InvalidTransferError
 from asyncpin.stats import TierStats
 from asyncpin.tier.index import BlockEvent, BlockHash, BlockIndex, IndexStats, StorePlan
 from asyncpin.tier.policies import POLICY_NAMES
+from asyncpin.tier.remote import RedisStore, RemoteError, RemoteLink, RemoteStore, fingerprint
 
 if TYPE_CHECKING:  # torch: a process with the index alone never imports it
     from asyncpin.manager import OffloadManager
@@ -41,6 +44,9 @@ __all__ = [
     "KVTier",
     "LayerLoad",
     "LayerStore",
+    "RedisStore",
+    "RemoteError",
+    "RemoteStore",
     "StorePlan",
     "TierStats",
     "TierStore",
@@ -182,7 +188,7 @@ class LayerStore:
     def _maybe_end(self) -> None:
         if self._closed and not self._running and not self._ended:
             self._ended = True
-            self._tier.index.end_store(self.plan, ok=not self._failed)
+            self._tier._end_store(self.plan, ok=not self._failed)
 
     async def wait(self) -> None:
         if not self._closed:
@@ -194,9 +200,30 @@ class LayerStore:
 
 
 class KVTier:
-    """Block hashes → the host blocks of ``manager`` (open, with a KV layout)."""
+    """Block hashes → the host blocks of ``manager`` (open, with a KV layout).
 
-    def __init__(self, manager: OffloadManager, *, policy: str = "lru") -> None:
+    With ``remote=`` (a :class:`~asyncpin.tier.remote.RemoteStore`, such as
+    :class:`~asyncpin.tier.remote.RedisStore`), a remote tier lies below the host: enter
+    the tier (``async with KVTier(mgr, remote=...) as tier``, inside the manager's
+    block) to run its writer. Blocks stored on the host are written to the remote store
+    in the background (a queue of ``remote_queue`` blocks; a full queue drops and
+    counts, never blocks), so a block evicted from the host is there already;
+    ``lookup_remote`` and ``restore`` reach the blocks the host misses. ``model`` names
+    the model in the keys (with the layout and the rank), so that other models or
+    shardings never read these blocks. Leaving the tier gives pending writes
+    ``flush_timeout_s``, drops the rest (counted) and closes the store."""
+
+    def __init__(
+        self,
+        manager: OffloadManager,
+        *,
+        policy: str = "lru",
+        remote: RemoteStore | None = None,
+        model: str = "",
+        namespace: str = "asyncpin",
+        remote_queue: int = 256,
+        flush_timeout_s: float = 2.0,
+    ) -> None:
         layout = manager.kv_layout
         if layout is None:
             raise ConfigError("a KV tier needs a manager with a KV layout (OffloadManager.for_kv)")
@@ -205,6 +232,67 @@ class KVTier:
         #: Events a subscriber's full buffer could not take.
         self.dropped_events = 0
         self._num_blocks = layout.num_blocks
+        self.remote: RemoteLink | None = None
+        if remote is not None:
+            if not isinstance(model, str):
+                raise ConfigError(f"model is a str naming the model, not {model!r}")
+            if (
+                not isinstance(flush_timeout_s, int | float)
+                or isinstance(flush_timeout_s, bool)
+                or not 0 <= flush_timeout_s < float("inf")
+            ):
+                raise ConfigError(f"flush_timeout_s must be a number >= 0, got {flush_timeout_s!r}")
+            self.remote = RemoteLink(
+                remote,
+                print_=fingerprint(model, layout.description(), manager.host_slice),
+                namespace=namespace,
+                host_block_bytes=layout.host_block_bytes,
+                queue_blocks=remote_queue,
+            )
+        self._flush_timeout_s = float(flush_timeout_s)
+        self._tasks: anyio.abc.TaskGroup | None = None
+        self._rows: Any = None  # the host blocks as bytes, for the writer
+
+    async def __aenter__(self) -> KVTier:
+        if self.remote is not None:
+            if self._tasks is not None:
+                raise RuntimeError("this tier is entered already")
+            rows = self.manager.host_bytes()
+            self._rows = rows
+
+            def read_block(block: int) -> memoryview:
+                return rows[block].numpy().data
+
+            tasks = anyio.create_task_group()
+            await tasks.__aenter__()
+            self._tasks = tasks
+            await tasks.start(self._write_behind, self.remote, read_block)
+        return self
+
+    @staticmethod
+    async def _write_behind(
+        remote: RemoteLink,
+        read_block: Callable[[int], memoryview],
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        await remote.run(read_block, task_status=task_status)
+
+    async def __aexit__(self, *exc: object) -> None:
+        remote, tasks = self.remote, self._tasks
+        if remote is None or tasks is None:
+            return
+        self._tasks = None
+        try:
+            with anyio.CancelScope(shield=True):
+                await remote.flush(self._flush_timeout_s)
+        finally:
+            tasks.cancel_scope.cancel()
+            await tasks.__aexit__(None, None, None)
+            remote.drop_left()
+            self._rows = None
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self._flush_timeout_s):
+                await remote.store.aclose()
 
     def lookup(self, hashes: Iterable[BlockHash]) -> int:
         """How many leading hashes can be loaded now."""
@@ -230,7 +318,7 @@ class KVTier:
         except BaseException:
             self.index.end_store(plan, ok=False)
             raise
-        transfer.add_done_callback(lambda t: self.index.end_store(plan, ok=t.error is None))
+        transfer.add_done_callback(lambda t: self._end_store(plan, ok=t.error is None))
         return TierStore(transfer, plan)
 
     def load(
@@ -360,6 +448,86 @@ class KVTier:
         finally:
             self.index.remove_listener(deliver)
 
+    def _end_store(self, plan: StorePlan, *, ok: bool) -> None:
+        """A store's copy is over: the index learns it, and with a remote tier, the new
+        blocks are queued to be written there (each held from eviction until copied)."""
+        self.index.end_store(plan, ok=ok)
+        remote = self.remote
+        if not ok or remote is None or not plan.hashes:
+            return
+        ready = [h for h in plan.hashes if h in self.index]
+        blocks = self.index.begin_load(ready, touch=False)
+        remote.submit(
+            list(zip(ready, blocks, strict=True)),
+            lambda h, block: self.index.end_load([h], [block]),
+        )
+
+    async def remote_written(self) -> None:
+        """Returns once every block queued for the remote tier so far is written (or
+        failed or dropped, counted in ``stats().remote``); at once without one."""
+        if self.remote is not None:
+            await self.remote.idle()
+
+    async def lookup_remote(self, hashes: Iterable[BlockHash]) -> int:
+        """``lookup``, then, past the host's leading hits, the leading blocks the remote
+        tier has (their values are checked when fetched: ``restore`` may find fewer)."""
+        keys = list(hashes)
+        n = self.index.lookup(keys)
+        if self.remote is None or n == len(keys):
+            return n
+        return n + await self.remote.exists(keys[n:])
+
+    async def restore(
+        self,
+        hashes: Iterable[BlockHash],
+        gpu_block_ids: BlockIds,
+        *,
+        method: Method = "auto",
+    ) -> int:
+        """Bring the leading blocks of ``hashes`` to device blocks ``gpu_block_ids[i]``,
+        from the host tier or, past its hits, from the remote tier (fetched into host
+        blocks, checked, then loaded): returns how many leading blocks are on the device
+        now. A remote miss, an invalid value or a failing server ends the run (counted);
+        what was found is restored."""
+        keys, gpu = self._checked("load", hashes, gpu_block_ids, method)
+        n = self.index.lookup(keys)
+        remote = self.remote
+        if remote is not None and n < len(keys):
+            # The run of blocks the host lacks, up to the next it has, at most what the
+            # host can hold.
+            end = n
+            while end < len(keys) and end - n < self.index.num_host_blocks and (
+                keys[end] not in self.index
+            ):
+                end += 1
+            payloads = await remote.fetch(keys[n:end])
+            if payloads:
+                await self._into_host(keys[n : n + len(payloads)], payloads, remote)
+            n = self.index.lookup(keys)
+        if n:
+            await self.load(keys[:n], gpu[:n], method=method)
+        return n
+
+    async def _into_host(
+        self, keys: list[BlockHash], payloads: list[memoryview], remote: RemoteLink
+    ) -> None:
+        """Fetched blocks into host blocks the index gives them, then indexed."""
+        plan = self.index.begin_store(keys)
+        rows = self.manager.host_bytes()
+        by_hash = dict(zip(keys, payloads, strict=True))
+
+        def copy_in() -> None:
+            for h, block in zip(plan.hashes, plan.host_blocks, strict=True):
+                rows[block].numpy().data[:] = by_hash[h]
+
+        ok = False
+        try:
+            await anyio.to_thread.run_sync(copy_in)
+            ok = True
+        finally:
+            self.index.end_store(plan, ok=ok)  # not written back: it came from there
+        remote.fetched(len(plan.hashes))
+
     def stats(self) -> TierStats:
         """The index's counters, the bytes its resident blocks hold, the policy and
         ``dropped_events``: a frozen snapshot, O(1) (``TierCollector`` exports it)."""
@@ -368,6 +536,7 @@ class KVTier:
             self.index,
             host_block_bytes=layout.host_block_bytes if layout is not None else None,
             dropped_events=self.dropped_events,
+            remote=self.remote.stats() if self.remote is not None else None,
         )
 
     def _checked(

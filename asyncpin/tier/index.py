@@ -289,10 +289,11 @@ class BlockIndex:
 
     # -- loads ----------------------------------------------------------------------------
 
-    def begin_load(self, hashes: Sequence[BlockHash]) -> list[int]:
+    def begin_load(self, hashes: Sequence[BlockHash], *, touch: bool = True) -> list[int]:
         """The host blocks of ``hashes``, all loadable, protected from eviction until
-        ``end_load``; a hit for the policy. InvalidTransferError (nothing protected) if one
-        is not loadable."""
+        ``end_load``; a hit for the policy (unless ``touch=False``: a reader that is not a
+        use, such as a copy to another tier). InvalidTransferError (nothing protected) if
+        one is not loadable."""
         entries = []
         for h in _all_checked(hashes):
             entry = self._entries.get(h)
@@ -301,7 +302,8 @@ class BlockIndex:
             entries.append((h, entry))
         for h, entry in entries:
             entry.readers += 1
-            self._policy.touch(h)
+            if touch:
+                self._policy.touch(h)
         return [entry.host_block for _, entry in entries]
 
     def end_load(self, hashes: Sequence[BlockHash], host_blocks: Sequence[int]) -> None:

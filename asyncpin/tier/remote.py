@@ -1,0 +1,555 @@
+"""The remote tier: host blocks kept on a Redis-protocol server (Redis 7, Valkey; one node
+or a cluster), below the host tier, shared by every server that uses the same keys.
+
+Three pieces:
+
+- :class:`RemoteStore`, the protocol a remote engine implements: pipelined ``get``,
+  ``put`` and ``exists`` of whole values by key, ``aclose``. Every failure of the server
+  (refused, reset, timed out, out of memory) is a :class:`RemoteError`.
+  :class:`RedisStore` implements it with redis-py's asyncio client (the optional extra
+  ``asyncpin[remote]``).
+- The value format (:func:`encode_header`, :func:`decode`): a 64-byte header (magic,
+  version, payload length, CRC-32 of the payload, the layout's fingerprint, a digest of
+  the block hash), then the host block's bytes. A value is data only when every field
+  matches what the reader expects: a truncated, corrupted, foreign (another model,
+  layout or rank) or stale (another hash) value is a miss, counted, never data.
+- :class:`RemoteLink`, what a :class:`~asyncpin.tier.KVTier` with ``remote=`` holds: the
+  key naming, the write-behind queue (blocks stored on the host are written to the
+  remote tier in the background; a full queue drops and counts, never blocks), fetches
+  into host blocks, and the counters. A failing server makes lookups miss and marks the
+  tier ``degraded`` until an operation succeeds again; serving goes on from the host.
+
+Keys are ``<namespace>:<fingerprint>:<block>``: the fingerprint names what the bytes mean
+(the model's name given by the application, every array's block shape, dtype and element
+order, the host block's size, the tensor-parallel rank), so that different models or
+shardings never read each other's blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import struct
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import anyio
+import anyio.to_thread
+import structlog
+
+from asyncpin.errors import AsyncpinError, ConfigError
+
+__all__ = [
+    "HEADER_BYTES",
+    "RedisStore",
+    "RemoteError",
+    "RemoteLink",
+    "RemoteStats",
+    "RemoteStore",
+    "decode",
+    "encode_header",
+    "fingerprint",
+]
+
+_log = structlog.get_logger("asyncpin")
+
+MAGIC = b"APKV"
+VERSION = 1
+# magic, version, 3 reserved, payload length, crc32, 4 reserved, fingerprint, hash digest
+_HEADER = struct.Struct("<4sB3xQI4x16s16s4x")
+HEADER_BYTES = _HEADER.size  # 64
+
+
+class RemoteError(AsyncpinError, RuntimeError):
+    """The remote server failed an operation (refused, reset, timed out, out of memory).
+    The message never holds credentials."""
+
+
+@runtime_checkable
+class RemoteStore(Protocol):
+    """A key-value store of whole values, reached over the network.
+
+    Contract: every method is a coroutine of the event loop that entered the tier; a
+    failure of the server raises :class:`RemoteError` (nothing else, cancellation
+    aside) and leaves the store usable (it reconnects on a later call); ``get`` of a
+    missing key gives None; ``put`` may lose a value (the server evicts under memory
+    pressure): readers check every value. ``aclose`` releases the connections."""
+
+    name: str
+
+    async def get(self, keys: Sequence[str]) -> list[bytes | None]: ...
+
+    async def put(self, items: Sequence[tuple[str, Sequence[bytes | memoryview]]]) -> None:
+        """Store each key's value, the concatenation of its parts."""
+        ...
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class RedisStore:
+    """A :class:`RemoteStore` on a Redis-protocol server (Redis 7, Valkey) through
+    redis-py's asyncio client: one node (``redis://``, ``rediss://`` for TLS) or, with
+    ``cluster=True``, a cluster through its seed node. Commands of one call go out as one
+    pipeline. ``timeout_s`` bounds every connect, read and call. ``ttl_s`` sets an
+    expiry on written values (None: the server's eviction policy decides). Other keyword
+    arguments go to the client (``username``, ``password``, ``ssl_ca_certs``, ...); the
+    URL's credentials and these never appear in logs, errors or ``repr``."""
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        cluster: bool = False,
+        timeout_s: float = 1.0,
+        ttl_s: float | None = None,
+        **client_options: Any,
+    ) -> None:
+        try:
+            import redis.asyncio
+            import redis.asyncio.cluster
+            import redis.exceptions
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError("RedisStore needs redis-py: pip install 'asyncpin[remote]'") from exc
+        if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+        if ttl_s is not None and (
+            not isinstance(ttl_s, int | float) or isinstance(ttl_s, bool) or ttl_s <= 0
+        ):
+            raise ConfigError(f"ttl_s must be a number > 0 or None, got {ttl_s!r}")
+        self._errors = (redis.exceptions.RedisError, OSError, TimeoutError)
+        self._timeout_s = float(timeout_s)
+        self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        options: dict[str, Any] = {
+            "socket_timeout": timeout_s,
+            "socket_connect_timeout": timeout_s,
+            **client_options,
+        }
+        self._where = _where(url)
+        try:
+            if cluster:
+                self._client: Any = redis.asyncio.cluster.RedisCluster.from_url(url, **options)
+            else:
+                self._client = redis.asyncio.Redis.from_url(url, **options)
+        except (ValueError, TypeError):
+            raise ConfigError(f"not a usable Redis URL or option for {self._where}") from None
+        self.cluster = cluster
+
+    def __repr__(self) -> str:
+        return f"<RedisStore {self._where}{' cluster' if self.cluster else ''}>"
+
+    async def _run(self, what: str, build: Callable[[Any], None]) -> list[Any]:
+        """One pipeline, bounded by the timeout; any failure of the server is a
+        RemoteError naming the server, never its credentials."""
+        try:
+            with anyio.fail_after(self._timeout_s * 4):  # connect, then read, per node
+                pipe = self._client.pipeline(transaction=False)
+                build(pipe)
+                result: list[Any] = await pipe.execute(raise_on_error=True)
+                return result
+        except self._errors as exc:
+            raise RemoteError(
+                f"{what} on {self._where} failed: {type(exc).__name__}"
+                + (f" ({_redact(str(exc))})" if str(exc) else "")
+            ) from None
+
+    async def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+
+        def build(pipe: Any) -> None:
+            for key in keys:
+                pipe.get(key)
+
+        return await self._run("GET", build)
+
+    async def put(self, items: Sequence[tuple[str, Sequence[bytes | memoryview]]]) -> None:
+        if not items:
+            return
+
+        def build(pipe: Any) -> None:
+            for key, parts in items:
+                value = parts[0] if len(parts) == 1 else b"".join(parts)
+                pipe.set(key, value, px=self._ttl_ms)
+
+        await self._run("SET", build)
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+
+        def build(pipe: Any) -> None:
+            for key in keys:
+                pipe.exists(key)
+
+        return [bool(n) for n in await self._run("EXISTS", build)]
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(*self._errors):  # closing what is already broken
+            await self._client.aclose()
+
+
+def _where(url: str) -> str:
+    """``scheme://host:port/db`` of a URL: no user, no password, no query."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or "?"
+        port = f":{parts.port}" if parts.port else ""
+        return f"{parts.scheme}://{host}{port}{parts.path}"
+    except ValueError:
+        return "<a Redis URL>"
+
+
+def _redact(message: str) -> str:
+    """A server's error message, without anything that looks like a URL's credentials."""
+    import re
+
+    return re.sub(r"//[^@/\s]*@", "//***@", message)[:200]
+
+
+# -- the value format --------------------------------------------------------------------
+
+
+def fingerprint(
+    model: str, layout_description: dict[str, object], host_slice: tuple[int, int]
+) -> bytes:
+    """16 bytes naming what a host block's bytes mean."""
+    what = {"model": model, "layout": layout_description, "slice": list(host_slice)}
+    return hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=16).digest()
+
+
+def hash_digest(block_hash: int | bytes) -> bytes:
+    """16 bytes naming a block hash (ints and bytes never collide)."""
+    raw = b"b" + block_hash if isinstance(block_hash, bytes) else b"i%d" % block_hash
+    return hashlib.blake2b(raw, digest_size=16).digest()
+
+
+def encode_header(payload: bytes | memoryview, print_: bytes, digest: bytes) -> bytes:
+    return _HEADER.pack(MAGIC, VERSION, len(payload), zlib.crc32(payload), print_, digest)
+
+
+def decode(value: bytes, *, nbytes: int, print_: bytes, digest: bytes) -> memoryview | str:
+    """The payload of ``value``, or why it is not data (a short reason: ``truncated``,
+    ``magic``, ``version``, ``length``, ``foreign``, ``stale``, ``checksum``)."""
+    if len(value) < HEADER_BYTES:
+        return "truncated"
+    magic, version, length, crc, their_print, their_digest = _HEADER.unpack_from(value)
+    if magic != MAGIC:
+        return "magic"
+    if version != VERSION:
+        return "version"
+    if length != nbytes:
+        return "length"
+    if len(value) != HEADER_BYTES + length:
+        return "truncated"
+    if their_print != print_:
+        return "foreign"
+    if their_digest != digest:
+        return "stale"
+    payload = memoryview(value)[HEADER_BYTES:]
+    if zlib.crc32(payload) != crc:
+        return "checksum"
+    return payload
+
+
+# -- the link between a tier and its remote store ------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteStats:
+    """The remote tier's counters (``TierStats.remote``)."""
+
+    store: str
+    degraded: bool
+    #: Blocks looked up remotely (host misses), and found there with a valid value.
+    lookups: int
+    hit_blocks: int
+    missed_blocks: int
+    #: Values that were not data (truncated, corrupted, foreign, stale), by reason.
+    invalid_blocks: int
+    invalid_by_reason: dict[str, int]
+    fetched_blocks: int
+    fetched_bytes: int
+    written_blocks: int
+    written_bytes: int
+    #: Blocks not written: the queue was full, or the write failed.
+    dropped_blocks: int
+    failed_writes: int
+    errors: int
+    queued_blocks: int
+
+
+class RemoteLink:
+    """A tier's remote store: keys, the write-behind queue, fetches, counters.
+
+    ``key_of(hash)`` names a block. ``submit(entries)`` queues host blocks to write
+    (``entries``: hash, host block; the caller holds each block until ``release`` is
+    called for it); a writer task (``run``) copies each block out in a worker thread,
+    releases it, then writes. ``fetch`` reads values and checks them."""
+
+    def __init__(
+        self,
+        store: RemoteStore,
+        *,
+        print_: bytes,
+        namespace: str,
+        host_block_bytes: int,
+        queue_blocks: int,
+        batch_blocks: int = 16,
+    ) -> None:
+        if not isinstance(store, RemoteStore):
+            raise ConfigError(f"remote must be a RemoteStore (RedisStore, say), not {store!r}")
+        for what, value in (("remote_queue", queue_blocks), ("batch", batch_blocks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{what} must be an int >= 1, got {value!r}")
+        if not isinstance(namespace, str) or not namespace or ":" in namespace:
+            raise ConfigError(f"namespace must be a non-empty str without ':', got {namespace!r}")
+        self.store = store
+        self.print_ = print_
+        self._prefix = f"{namespace}:{print_.hex()}:"
+        self.nbytes = host_block_bytes
+        self.batch = batch_blocks
+        self.capacity = queue_blocks
+        self._send, self._receive = anyio.create_memory_object_stream[
+            tuple[int | bytes, int, Callable[[], None]]
+        ](queue_blocks)
+        self.degraded = False
+        self._finished = anyio.Event()
+        # Blocks queued and not yet written (or failed): ``idle`` waits for none.
+        self._pending = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._counts: dict[str, int] = dict.fromkeys(
+            (
+                "lookups",
+                "hit_blocks",
+                "missed_blocks",
+                "fetched_blocks",
+                "fetched_bytes",
+                "written_blocks",
+                "written_bytes",
+                "dropped_blocks",
+                "failed_writes",
+                "errors",
+            ),
+            0,
+        )
+        self._invalid: dict[str, int] = {}
+        self.running = False
+
+    def key_of(self, block_hash: int | bytes) -> str:
+        return self._prefix + hash_digest(block_hash).hex()
+
+    # -- health -------------------------------------------------------------------------
+
+    def _failed(self, error: RemoteError, what: str) -> None:
+        self._counts["errors"] += 1
+        if not self.degraded:
+            _log.warning("tier.remote_degraded", store=repr(self.store), op=what, error=str(error))
+        self.degraded = True
+
+    def _ok(self) -> None:
+        if self.degraded:
+            _log.info("tier.remote_recovered", store=repr(self.store))
+        self.degraded = False
+
+    # -- writes -------------------------------------------------------------------------
+
+    def submit(
+        self,
+        entries: Sequence[tuple[int | bytes, int]],
+        release: Callable[[int | bytes, int], None],
+    ) -> None:
+        """Queue blocks to write (hash, host block, each held by the caller until
+        ``release(hash, block)``); those the queue cannot take are released at once and
+        counted as dropped. Never blocks."""
+        for block_hash, block in entries:
+            done = _once(functools.partial(release, block_hash, block))
+            if not self.running:
+                self._counts["dropped_blocks"] += 1
+                done()
+                continue
+            try:
+                self._send.send_nowait((block_hash, block, done))
+            except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self._counts["dropped_blocks"] += 1
+                done()
+                continue
+            if not self._pending:
+                self._idle = anyio.Event()
+            self._pending += 1
+
+    async def run(self, read_block: Callable[[int], memoryview], *, task_status: Any) -> None:
+        """The writer: batches of queued blocks, copied out in a worker thread (their
+        holds released as soon as the copy is over), then one pipelined write."""
+        self.running = True
+        task_status.started()
+        try:
+            async with self._receive:
+                async for first in self._receive:
+                    batch = [first]
+                    while len(batch) < self.batch:
+                        try:
+                            batch.append(self._receive.receive_nowait())
+                        except (anyio.WouldBlock, anyio.EndOfStream):
+                            break
+                    await self._write(batch, read_block)
+        finally:
+            self.running = False
+            self._finished.set()
+
+    async def _write(
+        self,
+        batch: list[tuple[int | bytes, int, Callable[[], None]]],
+        read_block: Callable[[int], memoryview],
+    ) -> None:
+        def copy_out() -> list[tuple[str, Sequence[bytes | memoryview]]]:
+            items: list[tuple[str, Sequence[bytes | memoryview]]] = []
+            for block_hash, block, _ in batch:
+                payload = bytes(read_block(block))
+                header = encode_header(payload, self.print_, hash_digest(block_hash))
+                items.append((self.key_of(block_hash), (header, payload)))
+            return items
+
+        try:
+            try:
+                items = await anyio.to_thread.run_sync(copy_out)
+            finally:
+                for _, _, done in batch:
+                    done()
+            try:
+                await self.store.put(items)
+            except RemoteError as exc:
+                self._failed(exc, "put")
+                self._counts["failed_writes"] += len(items)
+                return
+            self._ok()
+            self._counts["written_blocks"] += len(items)
+            self._counts["written_bytes"] += len(items) * self.nbytes
+        finally:
+            self._settled(len(batch))
+
+    def _settled(self, n: int) -> None:
+        self._pending -= n
+        if not self._pending:
+            self._idle.set()
+
+    async def idle(self) -> None:
+        """Returns once every block queued so far is written (or failed, or dropped)."""
+        await self._idle.wait()
+
+    async def flush(self, deadline_s: float) -> None:
+        """Stop taking blocks; give the writer ``deadline_s`` to write what is queued
+        (what is left is dropped and counted when the writer is cancelled)."""
+        self._send.close()
+        with anyio.move_on_after(deadline_s):
+            await self._finished.wait()
+
+    def drop_left(self) -> None:
+        """After the writer ended: release what is still queued, counted as dropped."""
+        while True:
+            try:
+                _, _, done = self._receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+            self._counts["dropped_blocks"] += 1
+            done()
+            self._settled(1)
+
+    # -- reads --------------------------------------------------------------------------
+
+    async def exists(self, hashes: Sequence[int | bytes]) -> int:
+        """How many leading ``hashes`` have a value (not checked) on the remote store."""
+        if not hashes:
+            return 0
+        try:
+            found = await self.store.exists([self.key_of(h) for h in hashes])
+        except RemoteError as exc:
+            self._failed(exc, "exists")
+            return 0
+        self._ok()
+        n = 0
+        while n < len(found) and found[n]:
+            n += 1
+        return n
+
+    async def fetch(self, hashes: Sequence[int | bytes]) -> list[memoryview]:
+        """The checked payloads of the leading ``hashes`` found valid (a miss, an error
+        or an invalid value ends the run)."""
+        if not hashes:
+            return []
+        self._counts["lookups"] += len(hashes)
+        try:
+            values = await self.store.get([self.key_of(h) for h in hashes])
+        except RemoteError as exc:
+            self._failed(exc, "get")
+            self._counts["missed_blocks"] += len(hashes)
+            return []
+        self._ok()
+
+        def check() -> list[memoryview | str | None]:
+            out: list[memoryview | str | None] = []
+            for h, value in zip(hashes, values, strict=True):
+                if value is None:
+                    out.append(None)
+                    break
+                got = decode(value, nbytes=self.nbytes, print_=self.print_, digest=hash_digest(h))
+                out.append(got)
+                if isinstance(got, str):
+                    break
+            return out
+
+        checked = await anyio.to_thread.run_sync(check)
+        payloads = [p for p in checked if isinstance(p, memoryview)]
+        if checked and isinstance(checked[-1], str):
+            reason = checked[-1]
+            self._invalid[reason] = self._invalid.get(reason, 0) + 1
+            _log.warning("tier.remote_invalid_value", reason=reason, store=repr(self.store))
+        self._counts["hit_blocks"] += len(payloads)
+        self._counts["missed_blocks"] += len(hashes) - len(payloads)
+        return payloads
+
+    def fetched(self, blocks: int) -> None:
+        self._counts["fetched_blocks"] += blocks
+        self._counts["fetched_bytes"] += blocks * self.nbytes
+
+    def stats(self) -> RemoteStats:
+        c = self._counts
+        return RemoteStats(
+            store=repr(self.store),
+            degraded=self.degraded,
+            lookups=c["lookups"],
+            hit_blocks=c["hit_blocks"],
+            missed_blocks=c["missed_blocks"],
+            invalid_blocks=sum(self._invalid.values()),
+            invalid_by_reason=dict(self._invalid),
+            fetched_blocks=c["fetched_blocks"],
+            fetched_bytes=c["fetched_bytes"],
+            written_blocks=c["written_blocks"],
+            written_bytes=c["written_bytes"],
+            dropped_blocks=c["dropped_blocks"],
+            failed_writes=c["failed_writes"],
+            errors=c["errors"],
+            queued_blocks=self._send.statistics().current_buffer_used,
+        )
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    called = False
+
+    def call() -> None:
+        nonlocal called
+        if not called:
+            called = True
+            fn()
+
+    return call
