@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from asyncpin import _sys
+from tests import redis_servers
 from tests.kit import CopyGate
 
 SHM = Path("/dev/shm")
@@ -107,3 +109,67 @@ def balanced_mappings(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[st
     mapped = sum(n for op, _, n in calls if op == "mmap")
     unmapped = sum(n for op, _, n in calls if op == "munmap")
     assert mapped == unmapped, f"mapped {mapped} bytes but unmapped {unmapped}: {calls}"
+
+
+# --- Real Redis servers for the remote tier (see tests/redis_servers.py) ---------------------
+#
+# Mark a test that needs one with ``pytest.mark.redis``. ``redis_server`` (a single node) and
+# ``redis_cluster`` (three nodes) start on first use and run for the whole session; after
+# every test they are put back as they started (resumed, restarted if killed, no memory
+# limit). Each test keeps to its own keys: the prefix ``redis_keyspace``, whose keys are
+# deleted after the test on every server started.
+
+
+@pytest.fixture(scope="session")
+def redis_servers_started() -> Iterator[redis_servers.RedisServers]:
+    """The session's servers: none is started until a test asks for one; all stop at the end."""
+    servers = redis_servers.RedisServers()
+    try:
+        yield servers
+    finally:
+        servers.close()
+
+
+def _skip_without_redis() -> None:
+    reason = redis_servers.available()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def redis_server(
+    redis_servers_started: redis_servers.RedisServers,
+) -> redis_servers.RedisServer:
+    """A single ``redis-server`` on loopback: ``.url``, ``.port``, ``.pid`` and the faults
+    ``kill()``, ``restart()``, ``pause()``/``resume()``, ``set_maxmemory()``, ``flushall()``."""
+    _skip_without_redis()
+    return redis_servers_started.server()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(
+    redis_servers_started: redis_servers.RedisServers,
+) -> redis_servers.RedisCluster:
+    """A three-node Redis cluster on loopback: ``.url`` (a start-up node), ``.nodes`` (each a
+    server as ``redis_server``), ``wait_ok()`` after a fault, ``node_for_slot()``."""
+    _skip_without_redis()
+    return redis_servers_started.cluster()
+
+
+@pytest.fixture(autouse=True)
+def _redis_reset(redis_servers_started: redis_servers.RedisServers) -> Iterator[None]:
+    """After each test, undo the faults it left on the servers started so far (none: no-op)."""
+    yield
+    redis_servers_started.reset()
+
+
+@pytest.fixture
+def redis_keyspace(
+    request: pytest.FixtureRequest, redis_servers_started: redis_servers.RedisServers
+) -> Iterator[str]:
+    """A key prefix of this test alone (``asyncpin-test:<pid>:<test>:``); its keys are deleted
+    after the test (SCAN MATCH + UNLINK) on the single node and every cluster node."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name)[:80]
+    prefix = f"asyncpin-test:{os.getpid()}:{name}:"
+    yield prefix
+    redis_servers_started.clean_keyspace(prefix)
