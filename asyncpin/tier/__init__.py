@@ -496,8 +496,10 @@ class KVTier:
             # The run of blocks the host lacks, up to the next it has, at most what the
             # host can hold.
             end = n
-            while end < len(keys) and end - n < self.index.num_host_blocks and (
-                keys[end] not in self.index
+            while (
+                end < len(keys)
+                and end - n < self.index.num_host_blocks
+                and (keys[end] not in self.index)
             ):
                 end += 1
             payloads = await remote.fetch(keys[n:end])

@@ -33,7 +33,7 @@ import hashlib
 import json
 import struct
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -59,8 +59,9 @@ _log = structlog.get_logger("asyncpin")
 
 MAGIC = b"APKV"
 VERSION = 1
-# magic, version, 3 reserved, payload length, crc32, 4 reserved, fingerprint, hash digest
-_HEADER = struct.Struct("<4sB3xQI4x16s16s4x")
+# magic, version, 3 reserved, payload length, crc32, 4 reserved, fingerprint, hash digest,
+# 8 reserved: 64 bytes
+_HEADER = struct.Struct("<4sB3xQI4x16s16s8x")
 HEADER_BYTES = _HEADER.size  # 64
 
 
@@ -220,10 +221,10 @@ def _redact(message: str) -> str:
 
 
 def fingerprint(
-    model: str, layout_description: dict[str, object], host_slice: tuple[int, int]
+    model: str, layout_description: Mapping[str, object], host_slice: tuple[int, int]
 ) -> bytes:
     """16 bytes naming what a host block's bytes mean."""
-    what = {"model": model, "layout": layout_description, "slice": list(host_slice)}
+    what = {"model": model, "layout": dict(layout_description), "slice": list(host_slice)}
     return hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=16).digest()
 
 
@@ -311,8 +312,8 @@ class RemoteLink:
         for what, value in (("remote_queue", queue_blocks), ("batch", batch_blocks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{what} must be an int >= 1, got {value!r}")
-        if not isinstance(namespace, str) or not namespace or ":" in namespace:
-            raise ConfigError(f"namespace must be a non-empty str without ':', got {namespace!r}")
+        if not isinstance(namespace, str) or not namespace:
+            raise ConfigError(f"namespace must be a non-empty str, got {namespace!r}")
         self.store = store
         self.print_ = print_
         self._prefix = f"{namespace}:{print_.hex()}:"
@@ -428,6 +429,10 @@ class RemoteLink:
                     done()
             try:
                 await self.store.put(items)
+            except anyio.get_cancelled_exc_class():
+                # Cut short by the tier's close at its deadline: maybe written, maybe not.
+                self._counts["dropped_blocks"] += len(items)
+                raise
             except RemoteError as exc:
                 self._failed(exc, "put")
                 self._counts["failed_writes"] += len(items)

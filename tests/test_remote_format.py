@@ -1,0 +1,68 @@
+"""The remote tier's value format, without a server: a value is data only when every
+field of its header matches what the reader expects; anything else is a miss with a
+reason, never data."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncpin.tier.remote import HEADER_BYTES, decode, encode_header, fingerprint, hash_digest
+
+PRINT = fingerprint("model-a", {"num_arrays": 2, "host_block_bytes": 64}, (0, 1))
+PAYLOAD = bytes(range(64))
+
+
+def value(payload: bytes = PAYLOAD, block_hash: int | bytes = 7, print_: bytes = PRINT) -> bytes:
+    return encode_header(payload, print_, hash_digest(block_hash)) + payload
+
+
+def read(raw: bytes, block_hash: int | bytes = 7) -> memoryview | str:
+    return decode(raw, nbytes=len(PAYLOAD), print_=PRINT, digest=hash_digest(block_hash))
+
+
+def test_a_value_round_trips() -> None:
+    got = read(value())
+    assert isinstance(got, memoryview) and bytes(got) == PAYLOAD
+    assert HEADER_BYTES == 64
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (value()[: HEADER_BYTES - 1], "truncated"),
+        (value()[:-1], "truncated"),
+        (value() + b"x", "truncated"),
+        (b"XXXX" + value()[4:], "magic"),
+        (value()[:4] + b"\x09" + value()[5:], "version"),
+        (value(payload=PAYLOAD + b"\x00" * 8), "length"),
+        (value(print_=fingerprint("model-b", {"num_arrays": 2}, (0, 1))), "foreign"),
+        (value(block_hash=8), "stale"),
+        (value()[:-1] + bytes([value()[-1] ^ 1]), "checksum"),
+    ],
+    ids=[
+        "header-cut",
+        "payload-cut",
+        "too-long",
+        "magic",
+        "version",
+        "length",
+        "foreign",
+        "stale",
+        "checksum",
+    ],
+)
+def test_anything_else_is_a_miss_with_its_reason(raw: bytes, reason: str) -> None:
+    assert read(raw) == reason
+
+
+def test_the_fingerprint_names_model_layout_and_rank() -> None:
+    layout = {"num_arrays": 2, "host_block_bytes": 64}
+    base = fingerprint("m", layout, (0, 1))
+    assert len(base) == 16 and base == fingerprint("m", dict(layout), (0, 1))
+    assert base != fingerprint("n", layout, (0, 1))
+    assert base != fingerprint("m", {**layout, "host_block_bytes": 128}, (0, 1))
+    assert base != fingerprint("m", layout, (1, 2))
+
+
+def test_int_and_bytes_hashes_never_share_a_digest() -> None:
+    assert hash_digest(1) != hash_digest(b"1") and hash_digest(1) != hash_digest(b"i1")

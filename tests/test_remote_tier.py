@@ -1,0 +1,281 @@
+"""The remote tier on a real Redis server (one node and a three-node cluster, started by
+the fixtures in ``tests/redis_servers.py``), each test on its own keys.
+
+Blocks stored on the host are written behind to the server; a tier whose host lost them
+restores them byte for byte (another server's tier too: they share prefixes); values that
+are not data (foreign, stale, corrupted, truncated) are misses, counted; a server killed,
+paused or full makes lookups miss and the tier degraded, never a hang, never a wrong
+byte; leaving the tier never waits past its flush deadline; credentials never show."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+import structlog
+import torch
+
+from asyncpin import KVLayout, OffloadManager
+from asyncpin.testing import FakeBackend
+from asyncpin.tier import KVTier, RedisStore, RemoteError
+from asyncpin.tier.remote import fingerprint
+from tests.redis_servers import RedisCluster, RedisServer
+
+pytestmark = [pytest.mark.redis, pytest.mark.anyio]
+
+TIMEOUT_S = 20
+BLOCKS, HOST_BLOCKS = 32, 16
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # redis-py's client is asyncio's
+
+
+def make_layout(seed: int = 0) -> KVLayout:
+    gen = torch.Generator().manual_seed(seed)
+    kv = [torch.randn(2, BLOCKS, 4, 2, 16, generator=gen).to(torch.float16) for _ in range(2)]
+    return KVLayout.from_tensors(kv, block_dim=1)
+
+
+@asynccontextmanager
+async def remote_tier(
+    url: str,
+    keyspace: str,
+    *,
+    layout: KVLayout | None = None,
+    cluster: bool = False,
+    model: str = "m",
+    timeout_s: float = 2.0,
+    **kwargs: Any,
+) -> AsyncIterator[tuple[KVTier, KVLayout]]:
+    layout = layout if layout is not None else make_layout()
+    store = RedisStore(url, cluster=cluster, timeout_s=timeout_s)
+    async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+        await mgr.pinned
+        async with KVTier(
+            mgr, remote=store, model=model, namespace=keyspace.rstrip(":"), **kwargs
+        ) as tier:
+            yield tier, layout
+
+
+def blocks_of(layout: KVLayout, ids: list[int]) -> list[torch.Tensor]:
+    return [raw[ids].clone() for raw in layout.byte_arrays()]
+
+
+async def stored_and_forgotten(
+    tier: KVTier, layout: KVLayout, hashes: list[int]
+) -> list[torch.Tensor]:
+    """Store ``hashes`` from device blocks 0.., wait for the remote writes, forget the host
+    copies; returns the bytes stored."""
+    ids = list(range(len(hashes)))
+    kept = blocks_of(layout, ids)
+    await tier.store(hashes, ids).transfer
+    await tier.remote_written()
+    tier.clear()
+    assert tier.lookup(hashes) == 0
+    return kept
+
+
+def same(layout: KVLayout, ids: list[int], kept: list[torch.Tensor]) -> bool:
+    return all(torch.equal(raw[ids], k) for raw, k in zip(layout.byte_arrays(), kept, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["node", "cluster"])
+async def test_a_forgotten_prefix_comes_back_from_the_server(
+    kind: str, redis_server: RedisServer, redis_cluster: RedisCluster, redis_keyspace: str
+) -> None:
+    url = redis_server.url if kind == "node" else redis_cluster.url
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(url, redis_keyspace, cluster=kind == "cluster") as (tier, layout):
+            hashes = list(range(1000, 1012))
+            kept = await stored_and_forgotten(tier, layout, hashes)
+            assert await tier.lookup_remote([*hashes, 9999]) == 12
+            assert await tier.restore([*hashes, 9999], list(range(16, 29))) == 12
+            assert same(layout, list(range(16, 28)), kept)
+            remote = tier.stats().remote
+            assert remote is not None
+            assert (remote.written_blocks, remote.fetched_blocks, remote.invalid_blocks) == (
+                12,
+                12,
+                0,
+            )
+            assert not remote.degraded and tier.lookup(hashes) == 12  # on the host again
+
+
+async def test_two_servers_share_prefixes(redis_server: RedisServer, redis_keyspace: str) -> None:
+    """One server's tier writes a prompt's blocks; another's (its own manager, its own
+    device arrays) restores them."""
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(redis_server.url, redis_keyspace, layout=make_layout(1)) as (a, la):
+            hashes = [7, 8, 9]
+            await a.store(hashes, [0, 1, 2]).transfer
+            await a.remote_written()
+            kept = blocks_of(la, [0, 1, 2])
+            async with remote_tier(redis_server.url, redis_keyspace, layout=make_layout(2)) as (
+                b,
+                lb,
+            ):
+                assert b.lookup(hashes) == 0
+                assert await b.restore(hashes, [5, 6, 7]) == 3
+                assert same(lb, [5, 6, 7], kept)
+
+
+async def test_another_model_never_reads_these_blocks(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(redis_server.url, redis_keyspace, model="a") as (a, _):
+            await a.store([1, 2], [0, 1]).transfer
+            await a.remote_written()
+        async with remote_tier(redis_server.url, redis_keyspace, model="b") as (b, lb):
+            before = blocks_of(lb, [3, 4])
+            assert await b.lookup_remote([1, 2]) == 0
+            assert await b.restore([1, 2], [3, 4]) == 0
+            assert same(lb, [3, 4], before)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign", "stale"])
+async def test_a_value_that_is_not_data_is_a_counted_miss(
+    damage: str, redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(redis_server.url, redis_keyspace) as (tier, layout):
+            kept = await stored_and_forgotten(tier, layout, [1, 2, 3])
+            assert tier.remote is not None
+            key = tier.remote.key_of(2)
+            value = redis_server.command("GET", key)
+            assert isinstance(value, bytes)
+            if damage == "flip":
+                value = value[:-5] + bytes([value[-5] ^ 0x40]) + value[-4:]
+            elif damage == "truncate":
+                value = value[: len(value) // 2]
+            elif damage == "foreign":  # another layout's header, this block's bytes
+                other = fingerprint("other", {"num_arrays": 9}, (0, 1))
+                value = value[:24] + other + value[40:]
+            else:  # another block's value under this key
+                value = redis_server.command("GET", tier.remote.key_of(3))
+                assert isinstance(value, bytes)
+            redis_server.command("SET", key, value)
+            before = blocks_of(layout, [10, 11, 12])
+            assert await tier.restore([1, 2, 3], [10, 11, 12]) == 1  # block 1 only
+            after = blocks_of(layout, [10, 11, 12])
+            assert all(torch.equal(a[0], k[0]) for a, k in zip(after, kept, strict=True))
+            assert all(torch.equal(a[1:], b[1:]) for a, b in zip(after, before, strict=True))
+            remote = tier.stats().remote
+            assert remote is not None and remote.invalid_blocks == 1
+            reason = {"flip": "checksum", "truncate": "truncated"}.get(damage, damage)
+            assert remote.invalid_by_reason == {reason: 1}
+
+
+async def test_a_killed_server_is_a_miss_then_the_tier_recovers(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(redis_server.url, redis_keyspace, timeout_s=0.5) as (tier, layout):
+            await stored_and_forgotten(tier, layout, [1, 2])
+            redis_server.kill()
+            assert await tier.restore([1, 2], [10, 11]) == 0
+            remote = tier.stats().remote
+            assert remote is not None and remote.degraded and remote.errors >= 1
+            # The host tier serves on.
+            await tier.store([5], [5]).transfer
+            assert await tier.restore([5], [12]) == 1
+            redis_server.restart()  # back, empty
+            await tier.store([6], [6]).transfer
+            await tier.remote_written()
+            tier.clear()
+            assert await tier.restore([6], [13]) == 1
+            remote = tier.stats().remote
+            assert remote is not None and not remote.degraded
+
+
+async def test_a_paused_server_costs_the_timeout_not_a_hang(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(
+            redis_server.url, redis_keyspace, timeout_s=0.2, flush_timeout_s=0.5
+        ) as (tier, layout):
+            await stored_and_forgotten(tier, layout, [1])
+            redis_server.pause()
+            try:
+                with anyio.fail_after(5):  # bounded by the timeouts, far below
+                    assert await tier.lookup_remote([1]) == 0
+                    assert await tier.restore([1], [9]) == 0
+                remote = tier.stats().remote
+                assert remote is not None and remote.degraded
+            finally:
+                redis_server.resume()
+
+
+async def test_a_full_queue_drops_and_counts_and_a_store_never_waits(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(
+            redis_server.url, redis_keyspace, timeout_s=0.2, remote_queue=2, flush_timeout_s=0.5
+        ) as (tier, _):
+            redis_server.pause()
+            try:
+                for i in range(8):  # each returns at once; the writer is stuck on the server
+                    await tier.store([100 + i], [i]).transfer
+                remote = tier.stats().remote
+                assert remote is not None and remote.dropped_blocks >= 8 - 2 - 1
+                assert tier.lookup([100 + i for i in range(8)]) == 8  # the host has them all
+            finally:
+                redis_server.resume()
+
+
+async def test_leaving_the_tier_never_waits_past_its_deadline(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    layout = make_layout()
+    store = RedisStore(redis_server.url, timeout_s=5.0)
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            tier = KVTier(
+                mgr, remote=store, namespace=redis_keyspace.rstrip(":"), flush_timeout_s=0.3
+            )
+            redis_server.pause()
+            try:
+                async with tier:
+                    await tier.store(list(range(8)), list(range(8))).transfer
+                    start = anyio.current_time()
+                # flush (0.3 s) and the store's close (0.3 s) at the most
+                assert anyio.current_time() - start < 2.0
+                remote = tier.stats().remote
+                assert remote is not None
+                written = remote.written_blocks
+                assert written + remote.dropped_blocks + remote.failed_writes == 8
+                assert tier.index.stats().resident_blocks == 8  # every hold released
+            finally:
+                redis_server.resume()
+
+
+async def test_a_full_server_fails_writes_and_serving_goes_on(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(redis_server.url, redis_keyspace) as (tier, _):
+            redis_server.set_maxmemory(redis_server.used_memory() + 4096, "noeviction")
+            await tier.store([1, 2, 3], [0, 1, 2]).transfer
+            await tier.remote_written()
+            remote = tier.stats().remote
+            assert remote is not None and remote.failed_writes == 3 and remote.degraded
+            assert await tier.restore([1, 2, 3], [10, 11, 12]) == 3  # from the host
+
+
+async def test_credentials_never_show() -> None:
+    with structlog.testing.capture_logs() as events:
+        store = RedisStore("redis://admin:s3cret-word@127.0.0.1:1/0", timeout_s=0.2)
+        assert "s3cret" not in repr(store)
+        with pytest.raises(RemoteError) as info:
+            await store.get(["k"])
+        assert "s3cret" not in str(info.value) and "127.0.0.1:1" in str(info.value)
+        await store.aclose()
+    assert "s3cret" not in repr(events)
