@@ -91,6 +91,7 @@ if TYPE_CHECKING:
 
     from asyncpin.manager import OffloadManager
     from asyncpin.tier import KVTier
+    from asyncpin.tier.remote import RemoteStats
     from asyncpin.transfers import Transfer
 
 __all__ = ["DEFAULT_LATENCY_BUCKETS", "OffloadCollector", "TierCollector"]
@@ -334,6 +335,46 @@ class TierCollector(Collector):
             if value is not None:
                 family.add_metric([], value)
             yield family
+        if s.remote is not None:
+            yield from _remote_metrics(s.remote)
 
     def __repr__(self) -> str:
         return f"<TierCollector {self._source!r}>"
+
+
+def _remote_metrics(r: RemoteStats) -> Iterator[Metric]:
+    """A tier's remote counters: ``asyncpin_tier_remote_*``."""
+    for name, doc, count in (
+        ("looked_up_blocks", "Blocks looked for on the remote tier (host misses)", r.lookups),
+        ("hit_blocks", "Of those, found there with a valid value", r.hit_blocks),
+        ("missed_blocks", "Of those, not found, not valid, or the server failed", r.missed_blocks),
+        ("fetched_blocks", "Blocks fetched into host blocks", r.fetched_blocks),
+        ("fetched_bytes", "Bytes fetched into host blocks", r.fetched_bytes),
+        ("written_blocks", "Blocks written to the remote tier", r.written_blocks),
+        ("written_bytes", "Bytes written to the remote tier", r.written_bytes),
+        (
+            "dropped_blocks",
+            "Blocks not written: queue full, or cut short at close",
+            r.dropped_blocks,
+        ),
+        ("failed_writes", "Blocks whose write the server failed", r.failed_writes),
+        ("errors", "Operations the server failed (refused, timed out, full)", r.errors),
+    ):
+        counter = CounterMetricFamily(f"asyncpin_tier_remote_{name}", doc)
+        counter.add_metric([], count)
+        yield counter
+    invalid = CounterMetricFamily(
+        "asyncpin_tier_remote_invalid_blocks",
+        "Values that were not data (truncated, corrupted, foreign, stale), by reason",
+        labels=["reason"],
+    )
+    for reason, count in sorted(r.invalid_by_reason.items()):
+        invalid.add_metric([reason], count)
+    yield invalid
+    for name, doc, value in (
+        ("degraded", "1 while the remote tier's server fails", int(r.degraded)),
+        ("queued_blocks", "Blocks waiting to be written", r.queued_blocks),
+    ):
+        gauge = GaugeMetricFamily(f"asyncpin_tier_remote_{name}", doc)
+        gauge.add_metric([], value)
+        yield gauge

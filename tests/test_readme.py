@@ -38,6 +38,7 @@ README = REPO / "README.md"
 TIMEOUT_S = 120
 MiB = 1 << 20
 SHARED_NAME = '"kv-tier"'  # the shared region's name in the README's two-process example
+REDIS_URL = "ASYNCPIN_REDIS_URL"  # the remote tier's example reads its server from it
 
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.S | re.M)
 _MARK = re.compile(r"<!--\s*(not run|runs with the next block)\s*:?\s*(.*?)\s*-->\s*\Z", re.S)
@@ -148,14 +149,16 @@ def _env() -> dict[str, str]:
     }
 
 
-def _python(code: str, stdin: int | None = None) -> subprocess.Popen[str]:
+def _python(
+    code: str, stdin: int | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [*AS_USER, sys.executable, "-c", code],
         stdin=stdin,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env={**_env(), **(env or {})},
         cwd=REPO,
     )
 
@@ -186,9 +189,14 @@ class TestQuickStart:
 
 class TestPythonBlocks:
     @pytest.mark.parametrize(("block", "second"), _python_cases())
-    def test_runs(self, block: Block, second: Block | None, shm_name: str) -> None:
+    def test_runs(
+        self, block: Block, second: Block | None, shm_name: str, request: pytest.FixtureRequest
+    ) -> None:
         if second is None:
-            _finish(_python(block.code), f"the block at README.md:{block.line}")
+            env = None
+            if REDIS_URL in block.code:  # the remote tier's example: the test server
+                env = {REDIS_URL: request.getfixturevalue("redis_server").url}
+            _finish(_python(block.code, env=env), f"the block at README.md:{block.line}")
             return
         # Two processes: the first waits for Enter on stdin while the second runs.
         assert SHARED_NAME in block.code and SHARED_NAME in second.code

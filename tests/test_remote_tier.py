@@ -279,3 +279,30 @@ async def test_credentials_never_show() -> None:
         assert "s3cret" not in str(info.value) and "127.0.0.1:1" in str(info.value)
         await store.aclose()
     assert "s3cret" not in repr(events)
+
+
+async def test_the_remote_counters_are_exported(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from asyncpin.metrics import TierCollector
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(redis_server.url, redis_keyspace) as (tier, layout):
+            registry = CollectorRegistry()
+            registry.register(TierCollector(tier))
+            await stored_and_forgotten(tier, layout, [1, 2])
+            assert await tier.restore([1, 2, 3], [5, 6, 7]) == 2
+            text = generate_latest(registry).decode()
+    samples = {
+        s.name + repr(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples["asyncpin_tier_remote_written_blocks_total[]"] == 2
+    assert samples["asyncpin_tier_remote_fetched_blocks_total[]"] == 2
+    assert samples["asyncpin_tier_remote_hit_blocks_total[]"] == 2
+    assert samples["asyncpin_tier_remote_missed_blocks_total[]"] == 1
+    assert samples["asyncpin_tier_remote_degraded[]"] == 0
