@@ -13,7 +13,19 @@ background:
 - ``GET /healthz/live``: 200 as soon as the process serves requests.
 - ``GET /healthz/ready``: 503 while pinning (``status``, ``pinned_bytes``, ``nbytes``,
   ``fraction``), 200 once every chunk is pinned, 500 with the error if pinning failed.
-- ``GET /metrics``: Prometheus text (``asyncpin.metrics.OffloadCollector``).
+- ``GET /metrics``: Prometheus text (``asyncpin.metrics.OffloadCollector``; with a remote
+  tier, ``asyncpin.metrics.TierCollector`` too: ``asyncpin_tier_*`` and
+  ``asyncpin_tier_remote_*``).
+
+With ``ASYNCPIN_REDIS_URL`` set, the server also runs a KV tier (``asyncpin.tier.KVTier``)
+whose remote tier is that Redis or Valkey server (``RedisStore``). The example has no
+engine: a small KV cache of CPU tensors (``example_kv_caches``, the host engine moves it)
+stands in for an engine's, and the buffer holds ``nbytes // host_block_bytes`` of its
+blocks. The tier is entered after the manager and left before it; ``app.state.tier`` and
+``app.state.kv_caches`` are where an engine (or a test) would reach them. Readiness then
+carries ``remote`` (``store``, ``degraded`` and counters): a failing remote server leaves
+the server ready, since it serves on from the host, with ``"degraded": true``. Neither the
+body, the metrics nor the logs ever show the URL's credentials.
 
 The application's lifespan opens the manager at start-up and closes it (in order: stop
 pinning, unpin, unmap, unlink a shared file) at shut-down. Settings come from the
@@ -25,6 +37,13 @@ arguments of :func:`create_app`, or else from the environment:
 - ``ASYNCPIN_SHARED_NAME``: create the buffer as ``/dev/shm/<name>`` so that other
   processes can attach to it (``OffloadManager.attached(name)``).
 - ``ASYNCPIN_CHUNK_BYTES``: unit of pinning (16 MiB).
+- ``ASYNCPIN_REDIS_URL``: ``redis://[user:password@]host:port/db`` (``rediss://`` for TLS)
+  of the remote tier; unset or empty: no KV tier.
+- ``ASYNCPIN_REDIS_CLUSTER``: ``1`` when that URL is a node of a cluster (``0``).
+- ``ASYNCPIN_REDIS_TIMEOUT_S``: bound of every connect, read and call, seconds (1).
+- ``ASYNCPIN_REDIS_NAMESPACE``: first part of every key (``asyncpin``).
+- ``ASYNCPIN_MODEL``: the model's name in the keys, so that servers of other models never
+  read these blocks (empty).
 """
 
 from __future__ import annotations
@@ -38,22 +57,57 @@ import socket
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 
+import torch
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asyncpin import DEFAULT_CHUNK_BYTES, ManagerState, OffloadManager, PinBackend
+from asyncpin import DEFAULT_CHUNK_BYTES, KVLayout, ManagerState, OffloadManager, PinBackend
 from asyncpin.cli import parse_size
-from asyncpin.metrics import OffloadCollector
+from asyncpin.metrics import OffloadCollector, TierCollector
 from asyncpin.region import Backing
 from asyncpin.signals import SHUTDOWN_SIGNALS, SignalGuard
+from asyncpin.tier import KVTier, RedisStore
 
-__all__ = ["create_app", "main"]
+__all__ = ["create_app", "example_kv_caches", "main"]
 
 DEFAULT_NBYTES = 1 << 30
+DEFAULT_REDIS_TIMEOUT_S = 1.0
+DEFAULT_REDIS_NAMESPACE = "asyncpin"
+# The stand-in KV cache: per layer one tensor [K/V, block, token, head, head dim] of
+# float16, 16 KiB a block over the layers.
+KV_LAYERS, KV_BLOCKS, KV_BLOCK_TOKENS, KV_HEADS, KV_HEAD_DIM = 2, 64, 16, 2, 64
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def example_kv_caches() -> list[torch.Tensor]:
+    """The example's stand-in for an engine's KV cache: small CPU tensors (the host
+    engine moves their blocks), whose dimension 1 indexes blocks."""
+    shape = (2, KV_BLOCKS, KV_BLOCK_TOKENS, KV_HEADS, KV_HEAD_DIM)
+    return [torch.zeros(shape, dtype=torch.float16) for _ in range(KV_LAYERS)]
+
+
+def _flag(name: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name} must be 1 or 0, got {text!r}")
+
+
+def _seconds(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be > 0, got {text!r}")
+    return value
 
 
 def create_app(
@@ -63,15 +117,21 @@ def create_app(
     shared_name: str | None = None,
     chunk_bytes: int | None = None,
     registry: CollectorRegistry | None = None,
+    redis_url: str | None = None,
+    redis_cluster: bool | None = None,
+    redis_timeout_s: float | None = None,
+    redis_namespace: str | None = None,
+    model: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Starlette:
     """The application; arguments left out are read from ``environ`` (``os.environ``).
 
     ``backend`` may be a ``PinBackend`` object (tests pass ``asyncpin.testing.FakeBackend``).
     ``registry`` is where ``/metrics`` reads from; by default a registry of this app's own,
-    so that several apps in one process do not clash. A size that does not parse raises
-    ValueError here; the manager checks the rest at start-up (ConfigError, PreflightError),
-    which then fails.
+    so that several apps in one process do not clash. ``redis_url`` (``ASYNCPIN_REDIS_URL``;
+    None or empty: none) adds the KV tier with its remote tier (see the module's doc). A
+    size, flag or timeout that does not parse raises ValueError here; the manager and the
+    store check the rest at start-up (ConfigError, PreflightError), which then fails.
     """
     env = os.environ if environ is None else environ
     if nbytes is None:
@@ -82,23 +142,69 @@ def create_app(
         shared_name = env.get("ASYNCPIN_SHARED_NAME") or None
     if chunk_bytes is None:
         chunk_bytes = parse_size(env.get("ASYNCPIN_CHUNK_BYTES", str(DEFAULT_CHUNK_BYTES)))
+    if redis_url is None:
+        redis_url = env.get("ASYNCPIN_REDIS_URL")
+    url = redis_url or None
+    if redis_cluster is None:
+        redis_cluster = _flag("ASYNCPIN_REDIS_CLUSTER", env.get("ASYNCPIN_REDIS_CLUSTER", "0"))
+    if redis_timeout_s is None:
+        redis_timeout_s = _seconds(
+            "ASYNCPIN_REDIS_TIMEOUT_S",
+            env.get("ASYNCPIN_REDIS_TIMEOUT_S", str(DEFAULT_REDIS_TIMEOUT_S)),
+        )
+    if redis_namespace is None:
+        redis_namespace = env.get("ASYNCPIN_REDIS_NAMESPACE") or DEFAULT_REDIS_NAMESPACE
+    if model is None:
+        model = env.get("ASYNCPIN_MODEL", "")
     metrics = CollectorRegistry() if registry is None else registry
     backing: Backing = "shared" if shared_name else "anonymous"
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        # A new manager per start-up: a manager can be entered only once.
+        # A new manager (and tier) per start-up: each can be entered only once.
+        kv_caches: list[torch.Tensor] = []
+        layout: KVLayout | None = None
+        num_host_blocks: int | None = None
+        if url is not None:
+            kv_caches = example_kv_caches()
+            layout = KVLayout.from_tensors(kv_caches, block_dim=1)
+            # Checked by the manager: a buffer too small for one block is a ConfigError.
+            num_host_blocks = nbytes // layout.host_block_bytes
         manager = OffloadManager(
-            nbytes, backend=backend, backing=backing, name=shared_name, chunk_bytes=chunk_bytes
+            nbytes,
+            backend=backend,
+            backing=backing,
+            name=shared_name,
+            chunk_bytes=chunk_bytes,
+            kv_layout=layout,
+            num_host_blocks=num_host_blocks,
         )
-        collector = OffloadCollector(manager)
-        metrics.register(collector)
+        tier: KVTier | None = None
+        if url is not None:
+            # No connection yet; a URL it cannot use is a ConfigError naming no secret.
+            store = RedisStore(url, cluster=redis_cluster, timeout_s=redis_timeout_s)
+            tier = KVTier(manager, remote=store, model=model, namespace=redis_namespace)
+            app.state.kv_caches = kv_caches
+        collectors: list[Collector] = [OffloadCollector(manager)]
+        if tier is not None:
+            collectors.append(TierCollector(tier))
+        for collector in collectors:
+            metrics.register(collector)
         try:
             async with manager:
                 app.state.manager = manager
-                yield
+                if tier is None:
+                    yield
+                else:
+                    # Entered after the manager, left before it: the writer stops and
+                    # the store closes (within the tier's flush deadline) before the
+                    # buffer is unpinned.
+                    async with tier:
+                        app.state.tier = tier
+                        yield
         finally:
-            metrics.unregister(collector)
+            for collector in reversed(collectors):
+                metrics.unregister(collector)
 
     async def live(request: Request) -> Response:
         return JSONResponse({"status": "alive"})
@@ -114,6 +220,20 @@ def create_app(
             "nbytes": stats.nbytes,
             "fraction": stats.pinned_fraction,
         }
+        tier: KVTier | None = getattr(request.app.state, "tier", None)
+        remote = tier.stats().remote if tier is not None else None
+        if remote is not None:
+            # A degraded remote tier does not make the server unready: it serves on from
+            # the host. ``store`` names the server without credentials.
+            body["remote"] = {
+                "store": remote.store,
+                "degraded": remote.degraded,
+                "errors": remote.errors,
+                "written_blocks": remote.written_blocks,
+                "failed_writes": remote.failed_writes,
+                "dropped_blocks": remote.dropped_blocks,
+                "queued_blocks": remote.queued_blocks,
+            }
         error = manager.pin_error
         if error is not None:
             body.update(

@@ -1,5 +1,6 @@
 """The example server (examples/server.py): probes, metrics and lifespan, in process
-through its real lifespan, and as a uvicorn process stopped by SIGTERM."""
+through its real lifespan, and as a uvicorn process stopped by SIGTERM; with a remote tier
+on a real Redis server, readiness and metrics that show it, and no password anywhere."""
 
 from __future__ import annotations
 
@@ -16,14 +17,19 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
+import structlog
+import torch
 from asgi_lifespan import LifespanManager
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 
 from asyncpin import ManagerState, OffloadManager, PinError
 from asyncpin.testing import FakeBackend
+from asyncpin.tier import KVTier
+from asyncpin.tier.remote import fingerprint
 from examples.server import create_app
 from tests.helpers import TIMEOUT_S, wait_thread_event
+from tests.redis_servers import RedisCluster, RedisServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHM_DIR = Path("/dev/shm")
@@ -47,6 +53,21 @@ async def serving(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
 def manager_of(app: Starlette) -> OffloadManager:
     manager: OffloadManager = app.state.manager
     return manager
+
+
+def tier_of(app: Starlette) -> KVTier:
+    tier: KVTier = app.state.tier
+    return tier
+
+
+def samples_of(text: str) -> dict[str, float]:
+    """Prometheus text as ``{name: value}`` (the samples without labels)."""
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels
+    }
 
 
 def assert_closed_in_order(manager: OffloadManager, fake: FakeBackend) -> None:
@@ -180,6 +201,211 @@ class TestSettings:
     def test_a_bad_size_fails_at_once(self) -> None:
         with pytest.raises(ValueError, match="invalid size"):
             create_app(environ={"ASYNCPIN_NBYTES": "lots"})
+
+    @pytest.mark.parametrize(
+        ("name", "value"),
+        [
+            ("ASYNCPIN_REDIS_CLUSTER", "maybe"),
+            ("ASYNCPIN_REDIS_TIMEOUT_S", "soon"),
+            ("ASYNCPIN_REDIS_TIMEOUT_S", "0"),
+            ("ASYNCPIN_REDIS_TIMEOUT_S", "nan"),
+        ],
+    )
+    def test_a_bad_remote_setting_fails_at_once(self, name: str, value: str) -> None:
+        with pytest.raises(ValueError, match=name):
+            create_app(environ={"ASYNCPIN_REDIS_URL": "redis://127.0.0.1:1", name: value})
+
+    async def test_no_redis_url_no_tier(self) -> None:
+        app = create_app(NBYTES, backend=FakeBackend(), chunk_bytes=CHUNK, environ={})
+        with anyio.fail_after(TIMEOUT_S):
+            async with serving(app) as client:
+                manager = manager_of(app)
+                await manager.pinned
+                body = (await client.get("/healthz/ready")).json()
+                text = (await client.get("/metrics")).text
+        assert "remote" not in body
+        assert manager.kv_layout is None and not hasattr(app.state, "tier")
+        assert "asyncpin_tier" not in text
+
+
+# The remote tier's tests: one test's keys under its own namespace (``redis_keyspace``).
+REMOTE_TIMEOUT_S = 0.5
+
+
+def remote_app(url: str, keyspace: str, *, model: str | None = None) -> Starlette:
+    return create_app(
+        NBYTES,
+        backend=FakeBackend(),
+        chunk_bytes=CHUNK,
+        redis_url=url,
+        redis_namespace=keyspace.rstrip(":"),
+        redis_timeout_s=REMOTE_TIMEOUT_S,
+        model=model,
+        environ={},
+    )
+
+
+def fill(kv_caches: list[torch.Tensor], blocks: list[int], seed: int) -> list[torch.Tensor]:
+    """Random bytes into ``blocks`` of the stand-in KV cache; returns a copy of them."""
+    gen = torch.Generator().manual_seed(seed)
+    for kv in kv_caches:
+        kv[:, blocks] = torch.randn(kv[:, blocks].shape, generator=gen).to(kv.dtype)
+    return [kv[:, blocks].clone() for kv in kv_caches]
+
+
+@pytest.mark.redis
+class TestRemoteTier:
+    """``ASYNCPIN_REDIS_URL`` runs a KV tier whose remote tier is that server: readiness
+    reports it (still ready, but degraded, while the server fails), /metrics exports it,
+    and a password in the URL shows nowhere."""
+
+    async def test_readiness_and_metrics_show_the_remote_tier(
+        self, redis_server: RedisServer, redis_keyspace: str
+    ) -> None:
+        app = remote_app(redis_server.url, redis_keyspace, model="m")
+        with anyio.fail_after(TIMEOUT_S):
+            async with serving(app) as client:
+                await manager_of(app).pinned
+                ready = await client.get("/healthz/ready")
+                assert ready.status_code == 200
+                assert ready.json()["remote"] == {
+                    "store": f"<RedisStore {redis_server.url}>",
+                    "degraded": False,
+                    "errors": 0,
+                    "written_blocks": 0,
+                    "failed_writes": 0,
+                    "dropped_blocks": 0,
+                    "queued_blocks": 0,
+                }
+                tier = tier_of(app)
+                kv_caches: list[torch.Tensor] = app.state.kv_caches
+                kept = fill(kv_caches, [0, 1, 2], seed=1)
+                await tier.store([11, 12, 13], [0, 1, 2]).transfer
+                await tier.remote_written()
+                assert len(redis_server.keys(redis_keyspace)) == 3
+                # The host forgets them; the remote tier brings them back.
+                tier.clear()
+                assert await tier.restore([11, 12, 13, 14], [5, 6, 7, 8]) == 3
+                assert all(
+                    torch.equal(kv[:, [5, 6, 7]], k) for kv, k in zip(kv_caches, kept, strict=True)
+                )
+                ready = await client.get("/healthz/ready")
+                metrics = await client.get("/metrics")
+        body = ready.json()
+        assert ready.status_code == 200 and body["status"] == "ready"
+        assert body["remote"]["written_blocks"] == 3 and not body["remote"]["degraded"]
+        samples = samples_of(metrics.text)
+        assert samples["asyncpin_tier_host_blocks"] == NBYTES // (16 << 10)
+        assert samples["asyncpin_tier_stored_blocks_total"] == 3 + 3  # stored, then fetched
+        assert samples["asyncpin_tier_remote_written_blocks_total"] == 3
+        assert samples["asyncpin_tier_remote_fetched_blocks_total"] == 3
+        assert samples["asyncpin_tier_remote_hit_blocks_total"] == 3
+        assert samples["asyncpin_tier_remote_missed_blocks_total"] == 1
+        assert samples["asyncpin_tier_remote_degraded"] == 0
+        assert samples["asyncpin_pinned_bytes"] == NBYTES
+
+    async def test_a_killed_server_is_degraded_and_still_ready(
+        self, redis_server: RedisServer, redis_keyspace: str
+    ) -> None:
+        app = remote_app(redis_server.url, redis_keyspace)
+        with anyio.fail_after(TIMEOUT_S):
+            async with serving(app) as client:
+                await manager_of(app).pinned
+                tier = tier_of(app)
+                redis_server.kill()
+                # Nothing has failed yet: not degraded until an operation does.
+                assert not (await client.get("/healthz/ready")).json()["remote"]["degraded"]
+                assert await tier.lookup_remote([1, 2]) == 0
+                ready = await client.get("/healthz/ready")
+                degraded = samples_of((await client.get("/metrics")).text)
+                # The host serves on.
+                await tier.store([5], [5]).transfer
+                assert await tier.restore([5], [6]) == 1
+                redis_server.restart()  # back, empty: the next operation that works
+                assert await tier.lookup_remote([1]) == 0
+                recovered = await client.get("/healthz/ready")
+                metrics = samples_of((await client.get("/metrics")).text)
+        assert ready.status_code == 200
+        body = ready.json()
+        assert body["status"] == "ready"
+        assert body["remote"]["degraded"] is True and body["remote"]["errors"] >= 1
+        assert degraded["asyncpin_tier_remote_degraded"] == 1
+        assert degraded["asyncpin_tier_remote_errors_total"] >= 1
+        assert recovered.status_code == 200
+        assert recovered.json()["remote"]["degraded"] is False
+        assert metrics["asyncpin_tier_remote_degraded"] == 0
+
+    async def test_a_password_shows_nowhere(
+        self, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Through the environment, a URL with credentials the server refuses: readiness,
+        metrics and logs name the server, never the user's password."""
+        secret = "s3cret-word"
+        url = f"redis://admin:{secret}@127.0.0.1:{redis_server.port}/0"
+        environ = {
+            "ASYNCPIN_NBYTES": str(NBYTES),
+            "ASYNCPIN_BACKEND": "host",
+            "ASYNCPIN_CHUNK_BYTES": str(CHUNK),
+            "ASYNCPIN_REDIS_URL": url,
+            "ASYNCPIN_REDIS_TIMEOUT_S": str(REMOTE_TIMEOUT_S),
+        }
+        app = create_app(environ=environ)
+        caplog.set_level("DEBUG")
+        with structlog.testing.capture_logs() as events, anyio.fail_after(TIMEOUT_S):
+            async with serving(app) as client:
+                await manager_of(app).pinned
+                tier = tier_of(app)
+                await tier.store([1], [0]).transfer
+                await tier.remote_written()  # refused: WRONGPASS
+                assert await tier.lookup_remote([1, 2]) == 1  # the host's; then refused
+                ready = await client.get("/healthz/ready")
+                metrics = await client.get("/metrics")
+        remote = ready.json()["remote"]
+        assert remote["store"] == f"<RedisStore redis://127.0.0.1:{redis_server.port}/0>"
+        assert remote["degraded"] is True and remote["failed_writes"] == 1
+        assert any(e["event"] == "tier.remote_degraded" for e in events)
+        for what, text in (
+            ("readiness", ready.text),
+            ("metrics", metrics.text),
+            ("logs", repr(events)),
+            ("stdlib logs", caplog.text),
+            ("the tier", repr(tier) + repr(tier.stats())),
+        ):
+            assert secret not in text, what
+
+    async def test_settings_from_the_environment_a_cluster(
+        self, redis_cluster: RedisCluster, redis_keyspace: str
+    ) -> None:
+        environ = {
+            "ASYNCPIN_NBYTES": str(NBYTES),
+            "ASYNCPIN_BACKEND": "host",
+            "ASYNCPIN_CHUNK_BYTES": str(CHUNK),
+            "ASYNCPIN_REDIS_URL": redis_cluster.url,
+            "ASYNCPIN_REDIS_CLUSTER": "1",
+            "ASYNCPIN_REDIS_TIMEOUT_S": "2.5",
+            "ASYNCPIN_REDIS_NAMESPACE": redis_keyspace.rstrip(":"),
+            "ASYNCPIN_MODEL": "llama-test",
+        }
+        app = create_app(environ=environ)
+        with anyio.fail_after(TIMEOUT_S):
+            async with serving(app) as client:
+                manager = manager_of(app)
+                await manager.pinned
+                tier = tier_of(app)
+                layout = manager.kv_layout
+                assert layout is not None and tier.remote is not None
+                assert tier.remote.print_ == fingerprint(
+                    "llama-test", layout.description(), manager.host_slice
+                )
+                assert tier.remote.key_of(7).startswith(redis_keyspace)
+                await tier.store([7, 8], [0, 1]).transfer
+                await tier.remote_written()
+                tier.clear()
+                assert await tier.restore([7, 8], [2, 3]) == 2
+                ready = await client.get("/healthz/ready")
+        remote = ready.json()["remote"]
+        assert remote["store"] == f"<RedisStore {redis_cluster.url} cluster>"
+        assert (remote["degraded"], remote["written_blocks"]) == (False, 2)
 
 
 def _child_env() -> dict[str, str]:
