@@ -306,3 +306,14 @@ async def test_the_remote_counters_are_exported(
     assert samples["asyncpin_tier_remote_hit_blocks_total[]"] == 2
     assert samples["asyncpin_tier_remote_missed_blocks_total[]"] == 1
     assert samples["asyncpin_tier_remote_degraded[]"] == 0
+
+
+async def test_a_tier_with_a_remote_store_is_entered_once(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(redis_server.url, redis_keyspace) as (tier, _):
+            with pytest.raises(RuntimeError, match="entered once"):
+                await tier.__aenter__()
+        with pytest.raises(RuntimeError, match="entered once"):
+            await tier.__aenter__()

@@ -251,12 +251,14 @@ class KVTier:
             )
         self._flush_timeout_s = float(flush_timeout_s)
         self._tasks: anyio.abc.TaskGroup | None = None
+        self._entered = False
         self._rows: Any = None  # the host blocks as bytes, for the writer
 
     async def __aenter__(self) -> KVTier:
         if self.remote is not None:
-            if self._tasks is not None:
-                raise RuntimeError("this tier is entered already")
+            if self._entered:
+                raise RuntimeError("a tier with a remote store is entered once")
+            self._entered = True
             rows = self.manager.host_bytes()
             self._rows = rows
 

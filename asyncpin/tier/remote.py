@@ -414,11 +414,14 @@ class RemoteLink:
         read_block: Callable[[int], memoryview],
     ) -> None:
         def copy_out() -> list[tuple[str, Sequence[bytes | memoryview]]]:
+            # One copy per block: the host block into the value, after its header.
             items: list[tuple[str, Sequence[bytes | memoryview]]] = []
             for block_hash, block, _ in batch:
-                payload = bytes(read_block(block))
-                header = encode_header(payload, self.print_, hash_digest(block_hash))
-                items.append((self.key_of(block_hash), (header, payload)))
+                value = memoryview(bytearray(HEADER_BYTES + self.nbytes))
+                payload = value[HEADER_BYTES:]
+                payload[:] = read_block(block)
+                value[:HEADER_BYTES] = encode_header(payload, self.print_, hash_digest(block_hash))
+                items.append((self.key_of(block_hash), (value,)))
             return items
 
         try:
