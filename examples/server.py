@@ -196,9 +196,9 @@ def create_app(
                 if tier is None:
                     yield
                 else:
-                    # Entered after the manager, left before it: the writer stops and
-                    # the store closes (within the tier's flush deadline) before the
-                    # buffer is unpinned.
+                    # Entered after the manager, left before it: queued writes get the
+                    # tier's flush deadline, the store's close as long again, all before
+                    # the buffer is unpinned.
                     async with tier:
                         app.state.tier = tier
                         yield
