@@ -317,3 +317,31 @@ async def test_a_tier_with_a_remote_store_is_entered_once(
                 await tier.__aenter__()
         with pytest.raises(RuntimeError, match="entered once"):
             await tier.__aenter__()
+
+
+async def test_a_long_restore_reads_in_bounded_pipelines(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """Each pipeline holds a batch of blocks (16), so each is bounded by the timeout,
+    however long the prefix (one pipeline of 256 blocks of 2 MiB outlived a 1 s read
+    timeout)."""
+    sizes: list[int] = []
+
+    class Recording(RedisStore):
+        async def get(self, keys: Any) -> list[bytes | None]:
+            sizes.append(len(keys))
+            return await super().get(keys)
+
+    layout = make_layout()
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            store = Recording(redis_server.url, timeout_s=2.0)
+            async with KVTier(mgr, remote=store, namespace=redis_keyspace.rstrip(":")) as tier:
+                hashes = list(range(500, 530))
+                kept = await stored_and_forgotten(tier, layout, hashes)
+                for raw in layout.byte_arrays():
+                    raw.zero_()
+                assert await tier.restore(hashes, list(range(30))) == 30
+                assert sizes == [16, 14]
+                assert same(layout, list(range(30)), kept)

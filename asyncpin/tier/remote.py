@@ -492,15 +492,25 @@ class RemoteLink:
 
     async def fetch(self, hashes: Sequence[int | bytes]) -> list[memoryview]:
         """The checked payloads of the leading ``hashes`` found valid (a miss, an error
-        or an invalid value ends the run)."""
-        if not hashes:
-            return []
+        or an invalid value ends the run), read in pipelines of ``batch`` blocks: each
+        one bounded by the store's timeout, whatever the run's length."""
         self._counts["lookups"] += len(hashes)
+        payloads: list[memoryview] = []
+        for lo in range(0, len(hashes), self.batch):
+            part = hashes[lo : lo + self.batch]
+            found = await self._fetch_part(part)
+            payloads += found
+            if len(found) < len(part):
+                break
+        self._counts["hit_blocks"] += len(payloads)
+        self._counts["missed_blocks"] += len(hashes) - len(payloads)
+        return payloads
+
+    async def _fetch_part(self, hashes: Sequence[int | bytes]) -> list[memoryview]:
         try:
             values = await self.store.get([self.key_of(h) for h in hashes])
         except RemoteError as exc:
             self._failed(exc, "get")
-            self._counts["missed_blocks"] += len(hashes)
             return []
         self._ok()
 
@@ -517,14 +527,11 @@ class RemoteLink:
             return out
 
         checked = await anyio.to_thread.run_sync(check)
-        payloads = [p for p in checked if isinstance(p, memoryview)]
         if checked and isinstance(checked[-1], str):
             reason = checked[-1]
             self._invalid[reason] = self._invalid.get(reason, 0) + 1
             _log.warning("tier.remote_invalid_value", reason=reason, store=repr(self.store))
-        self._counts["hit_blocks"] += len(payloads)
-        self._counts["missed_blocks"] += len(hashes) - len(payloads)
-        return payloads
+        return [p for p in checked if isinstance(p, memoryview)]
 
     def fetched(self, blocks: int) -> None:
         self._counts["fetched_blocks"] += blocks
