@@ -66,10 +66,28 @@ def digest(view: torch.Tensor) -> str:
     return hashlib.sha256(view.numpy().tobytes()).hexdigest()
 
 
+_THREAD_STACK = 8 << 20  # glibc's default thread stack (RLIMIT_STACK here)
+_ARENA_ALIGN = 64 << 20  # glibc's per-thread malloc arenas are reserved 64 MiB-aligned
+
+
 def footprint() -> tuple[int, frozenset[str]]:
-    """Mappings and open file descriptors of this process, to compare before/after."""
-    maps = len(Path("/proc/self/maps").read_text().splitlines())
-    return maps, frozenset(os.listdir("/proc/self/fd"))
+    """Mappings and open file descriptors of this process, to compare before/after.
+
+    Anonymous mappings that threads make and drop (stacks, their guard pages, malloc's
+    per-thread arenas) are left out: a worker thread starting or ending in the meantime
+    (anyio's pool, a finished test's threads) is not a mapping the code under test left
+    behind."""
+    kept = 0
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        anonymous = len(fields) < 6
+        if anonymous and (
+            fields[1] == "---p" or end - start == _THREAD_STACK or start % _ARENA_ALIGN == 0
+        ):
+            continue
+        kept += 1
+    return kept, frozenset(os.listdir("/proc/self/fd"))
 
 
 @contextmanager

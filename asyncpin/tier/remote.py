@@ -116,7 +116,6 @@ class RedisStore:
         try:
             import redis.asyncio
             import redis.asyncio.cluster
-            import redis.exceptions
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise ImportError("RedisStore needs redis-py: pip install 'asyncpin[remote]'") from exc
         if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or timeout_s <= 0:
@@ -125,7 +124,6 @@ class RedisStore:
             not isinstance(ttl_s, int | float) or isinstance(ttl_s, bool) or ttl_s <= 0
         ):
             raise ConfigError(f"ttl_s must be a number > 0 or None, got {ttl_s!r}")
-        self._errors = (redis.exceptions.RedisError, OSError, TimeoutError)
         self._timeout_s = float(timeout_s)
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         options: dict[str, Any] = {
@@ -155,7 +153,10 @@ class RedisStore:
                 build(pipe)
                 result: list[Any] = await pipe.execute(raise_on_error=True)
                 return result
-        except self._errors as exc:
+        except Exception as exc:
+            # The server's errors, and whatever else the client raises for them (redis-py
+            # 8.1's cluster pipeline raised AttributeError on a connection torn down by a
+            # node's restart): a failed operation, never the caller's crash.
             raise RemoteError(
                 f"{what} on {self._where} failed: {type(exc).__name__}"
                 + (f" ({_redact(str(exc))})" if str(exc) else "")
@@ -193,7 +194,7 @@ class RedisStore:
         return [bool(n) for n in await self._run("EXISTS", build)]
 
     async def aclose(self) -> None:
-        with contextlib.suppress(*self._errors):  # closing what is already broken
+        with contextlib.suppress(Exception):  # closing what is already broken
             await self._client.aclose()
 
 
@@ -436,8 +437,8 @@ class RemoteLink:
                 # Cut short by the tier's close at its deadline: maybe written, maybe not.
                 self._counts["dropped_blocks"] += len(items)
                 raise
-            except RemoteError as exc:
-                self._failed(exc, "put")
+            except Exception as exc:
+                self._failed(_remote_error(exc, self.store), "put")
                 self._counts["failed_writes"] += len(items)
                 return
             self._ok()
@@ -481,8 +482,8 @@ class RemoteLink:
             return 0
         try:
             found = await self.store.exists([self.key_of(h) for h in hashes])
-        except RemoteError as exc:
-            self._failed(exc, "exists")
+        except Exception as exc:
+            self._failed(_remote_error(exc, self.store), "exists")
             return 0
         self._ok()
         n = 0
@@ -509,8 +510,8 @@ class RemoteLink:
     async def _fetch_part(self, hashes: Sequence[int | bytes]) -> list[memoryview]:
         try:
             values = await self.store.get([self.key_of(h) for h in hashes])
-        except RemoteError as exc:
-            self._failed(exc, "get")
+        except Exception as exc:
+            self._failed(_remote_error(exc, self.store), "get")
             return []
         self._ok()
 
@@ -556,6 +557,14 @@ class RemoteLink:
             errors=c["errors"],
             queued_blocks=self._send.statistics().current_buffer_used,
         )
+
+
+def _remote_error(error: Exception, store: RemoteStore) -> RemoteError:
+    """A store's failure as a RemoteError (a store that breaks the contract by raising
+    something else is failing all the same)."""
+    if isinstance(error, RemoteError):
+        return error
+    return RemoteError(f"{store!r} raised {type(error).__name__}")
 
 
 def _once(fn: Callable[[], None]) -> Callable[[], None]:
