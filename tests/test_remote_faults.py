@@ -497,18 +497,10 @@ async def drive(
         shared.stop.set()
 
 
-CLUSTER_DEFECT = (
-    "defect: after a cluster node is killed and restarted, redis-py 8.1's cluster pipeline "
-    "may raise AttributeError (a connection's writer gone under it), which RedisStore lets "
-    "through; the tier's writer task dies and cancels the task that entered the tier (see "
-    "test_a_client_library_error_in_the_writer_is_a_failed_write); about one run in three"
-)
-
-
 @pytest.fixture(
     params=[
         "node",
-        pytest.param("cluster", marks=pytest.mark.xfail(strict=False, reason=CLUSTER_DEFECT)),
+        "cluster",
     ]
 )
 def target(request: pytest.FixtureRequest) -> Target:
@@ -612,7 +604,7 @@ SEEN = (
 )
 
 
-# -- defects found by the fault runs (xfail until asyncpin is fixed) ------------------------
+# -- defects found by the fault runs (each failed before its fix) ---------------------------
 
 
 class _BrokenPipeline:
@@ -632,18 +624,12 @@ def broken_store(url: str, monkeypatch: pytest.MonkeyPatch) -> RedisStore:
     return store
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="defect: RedisStore lets a client error that is not a RedisError through, and "
-    "the tier's writer task dies of it, cancelling the task that entered the tier",
-)
 async def test_a_client_library_error_in_the_writer_is_a_failed_write(
     redis_server: RedisServer, redis_keyspace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Expected: the write counts as failed, the tier is degraded, the body of the tier
-    goes on. Actual: the body is cancelled and leaving the tier raises the AttributeError
-    (in an ExceptionGroup)."""
+    """The write counts as failed, the tier is degraded, the body of the tier goes on
+    (before the fix: the body was cancelled and leaving the tier raised the
+    AttributeError, in an ExceptionGroup)."""
     store = broken_store(redis_server.url, monkeypatch)
     body_finished = False
     crashed: list[BaseException] = []
@@ -666,17 +652,11 @@ async def test_a_client_library_error_in_the_writer_is_a_failed_write(
     assert remote is not None and remote.failed_writes == 1 and remote.degraded
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="defect: RedisStore lets a client error that is not a RedisError through: "
-    "restore raises it instead of counting a miss",
-)
 async def test_a_client_library_error_in_a_fetch_is_a_miss(
     redis_server: RedisServer, redis_keyspace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Expected: restore returns 0 (a counted miss, the tier degraded). Actual: restore
-    raises AttributeError."""
+    """restore returns 0 (a counted miss, the tier degraded); before the fix it raised the
+    AttributeError."""
     store = broken_store(redis_server.url, monkeypatch)
     with anyio.fail_after(10):
         async with OffloadManager.for_kv(make_layout(), HOST_BLOCKS, backend=FakeBackend()) as mgr:
