@@ -26,6 +26,7 @@ SCRIPTS = [
     "layerwise",
     "llama_ttft",
     "pinning",
+    "remote",
     "soak",
     "tier_index",
     "transfers",
