@@ -345,3 +345,92 @@ async def test_a_long_restore_reads_in_bounded_pipelines(
                 assert await tier.restore(hashes, list(range(30))) == 30
                 assert sizes == [16, 14]
                 assert same(layout, list(range(30)), kept)
+
+
+# -- review findings (each failed before its fix) --------------------------------------------
+
+
+async def test_leaving_with_many_blocks_queued_releases_and_counts_them_all(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """More than a batch queued behind a paused server: leaving drops what is left,
+    counted, holds nothing, and ``remote_written`` returns (it hung: the queue was
+    closed under the writer and its blocks stayed held)."""
+    layout = make_layout()
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            store = RedisStore(redis_server.url, timeout_s=5.0)
+            tier = KVTier(
+                mgr, remote=store, namespace=redis_keyspace.rstrip(":"), flush_timeout_s=0.2
+            )
+            redis_server.pause()
+            try:
+                async with tier:
+                    await tier.store(list(range(24)), list(range(24))).transfer
+            finally:
+                redis_server.resume()
+            await tier.remote_written()
+            remote = tier.stats().remote
+            assert remote is not None
+            total = (
+                remote.written_blocks
+                + remote.dropped_blocks
+                + remote.failed_writes
+                + remote.skipped_blocks
+            )
+            assert total == 24 and remote.queued_blocks == 0
+            fresh = tier.store(list(range(100, 100 + BLOCKS)), list(range(BLOCKS)))
+            await fresh.transfer
+            assert fresh.skipped == ()  # nothing held: every block could be evicted
+
+
+async def test_a_restore_keeps_its_own_host_prefix(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """Host hits, then a block only the server has: fetching it must not evict the hits
+    (restore([1, 9]) returned 0: block 1 was evicted to make room for 9)."""
+    layout = make_layout()
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, 4, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            store = RedisStore(redis_server.url, timeout_s=2.0)
+            async with KVTier(mgr, remote=store, namespace=redis_keyspace.rstrip(":")) as tier:
+                await tier.store([9], [9]).transfer
+                await tier.remote_written()
+                tier.clear()
+                await tier.store([1, 2, 3, 4], [1, 2, 3, 4]).transfer  # the host is full
+                assert await tier.lookup_remote([1, 9]) == 2
+                assert await tier.restore([1, 9], [20, 21]) == 2
+
+
+async def test_queued_blocks_stay_evictable(redis_server: RedisServer, redis_keyspace: str) -> None:
+    """Behind a paused server, blocks waiting to be written do not hold the host: new
+    stores find room (half the host was held while queued)."""
+    layout = make_layout()
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            store = RedisStore(redis_server.url, timeout_s=5.0)
+            tier = KVTier(
+                mgr, remote=store, namespace=redis_keyspace.rstrip(":"), flush_timeout_s=0.2
+            )
+            redis_server.pause()
+            try:
+                async with tier:
+                    await tier.store(list(range(BLOCKS)), list(range(BLOCKS))).transfer
+                    await anyio.wait_all_tasks_blocked()  # the writer is stuck on the server
+                    fresh = tier.store(list(range(100, 100 + BLOCKS)), list(range(BLOCKS)))
+                    await fresh.transfer
+                    assert fresh.skipped == ()
+            finally:
+                redis_server.resume()
+
+
+def test_decoded_responses_and_odd_urls_are_handled() -> None:
+    from asyncpin import ConfigError
+
+    with pytest.raises(ConfigError, match="decode_responses"):
+        RedisStore("redis://127.0.0.1:1/0", decode_responses=True)
+    store = RedisStore("redis://admin:12/34@127.0.0.1:1/0")  # a '/' in the password
+    assert "34" not in repr(store) and "12" not in repr(store)

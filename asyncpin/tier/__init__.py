@@ -268,17 +268,32 @@ class KVTier:
             tasks = anyio.create_task_group()
             await tasks.__aenter__()
             self._tasks = tasks
-            await tasks.start(self._write_behind, self.remote, read_block)
+            await tasks.start(
+                self._write_behind, self.remote, read_block, self._hold, self._release
+            )
         return self
 
     @staticmethod
     async def _write_behind(
         remote: RemoteLink,
         read_block: Callable[[int], memoryview],
+        hold: Callable[[BlockHash, int], bool],
+        release: Callable[[BlockHash, int], None],
         *,
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        await remote.run(read_block, task_status=task_status)
+        await remote.run(read_block, hold, release, task_status=task_status)
+
+    def _hold(self, block_hash: BlockHash, block: int) -> bool:
+        """Keep ``block`` from eviction while the writer copies it, if it still holds
+        ``block_hash`` (not evicted, removed or reused meanwhile)."""
+        if self.index.host_block(block_hash) != block:
+            return False
+        self.index.begin_load([block_hash], touch=False)
+        return True
+
+    def _release(self, block_hash: BlockHash, block: int) -> None:
+        self.index.end_load([block_hash], [block])
 
     async def __aexit__(self, *exc: object) -> None:
         remote, tasks = self.remote, self._tasks
@@ -290,8 +305,7 @@ class KVTier:
                 await remote.flush(self._flush_timeout_s)
         finally:
             tasks.cancel_scope.cancel()
-            await tasks.__aexit__(None, None, None)
-            remote.drop_left()
+            await tasks.__aexit__(None, None, None)  # the writer drops what is left
             self._rows = None
             with anyio.CancelScope(shield=True), anyio.move_on_after(self._flush_timeout_s):
                 await remote.store.aclose()
@@ -457,11 +471,8 @@ class KVTier:
         remote = self.remote
         if not ok or remote is None or not plan.hashes:
             return
-        ready = [h for h in plan.hashes if h in self.index]
-        blocks = self.index.begin_load(ready, touch=False)
         remote.submit(
-            list(zip(ready, blocks, strict=True)),
-            lambda h, block: self.index.end_load([h], [block]),
+            [(h, b) for h, b in zip(plan.hashes, plan.host_blocks, strict=True) if h in self.index]
         )
 
     async def remote_written(self) -> None:
@@ -495,19 +506,28 @@ class KVTier:
         n = self.index.lookup(keys)
         remote = self.remote
         if remote is not None and n < len(keys):
-            # The run of blocks the host lacks, up to the next it has, at most what the
-            # host can hold.
-            end = n
-            while (
-                end < len(keys)
-                and end - n < self.index.num_host_blocks
-                and (keys[end] not in self.index)
-            ):
-                end += 1
-            payloads = await remote.fetch(keys[n:end])
-            if payloads:
-                await self._into_host(keys[n : n + len(payloads)], payloads, remote)
-            n = self.index.lookup(keys)
+            # The host's leading hits are kept from eviction while the run after them
+            # (up to the next block the host has, at most what it can hold besides) is
+            # fetched and put in host blocks.
+            prefix = self.index.begin_load(keys[:n], touch=False)
+            try:
+                end = n
+                while (
+                    end < len(keys)
+                    and end - n < self.index.num_host_blocks - n
+                    and keys[end] not in self.index
+                ):
+                    end += 1
+                payloads = await remote.fetch(keys[n:end])
+                if payloads:
+                    await self._into_host(keys[n : n + len(payloads)], payloads, remote)
+                n = self.index.lookup(keys)
+                transfer = self.load(keys[:n], gpu[:n], method=method) if n else None
+            finally:
+                self.index.end_load(keys[: len(prefix)], prefix)
+            if transfer is not None:
+                await transfer
+            return n
         if n:
             await self.load(keys[:n], gpu[:n], method=method)
         return n
@@ -516,8 +536,8 @@ class KVTier:
         self, keys: list[BlockHash], payloads: list[memoryview], remote: RemoteLink
     ) -> None:
         """Fetched blocks into host blocks the index gives them, then indexed."""
-        plan = self.index.begin_store(keys)
         rows = self.manager.host_bytes()
+        plan = self.index.begin_store(keys)
         by_hash = dict(zip(keys, payloads, strict=True))
 
         def copy_in() -> None:
@@ -526,7 +546,7 @@ class KVTier:
 
         ok = False
         try:
-            await anyio.to_thread.run_sync(copy_in)
+            await anyio.to_thread.run_sync(copy_in, limiter=remote.read_limiter)
             ok = True
         finally:
             self.index.end_store(plan, ok=ok)  # not written back: it came from there

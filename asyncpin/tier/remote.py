@@ -28,7 +28,6 @@ shardings never read each other's blocks.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import struct
@@ -124,6 +123,8 @@ class RedisStore:
             not isinstance(ttl_s, int | float) or isinstance(ttl_s, bool) or ttl_s <= 0
         ):
             raise ConfigError(f"ttl_s must be a number > 0 or None, got {ttl_s!r}")
+        if client_options.get("decode_responses"):
+            raise ConfigError("decode_responses=True would decode the blocks' bytes as text")
         self._timeout_s = float(timeout_s)
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         options: dict[str, Any] = {
@@ -204,6 +205,8 @@ def _where(url: str) -> str:
 
     try:
         parts = urlsplit(url)
+        if "@" in parts.path or "@" in parts.query:  # a password with a '/' in it
+            return f"{parts.scheme}://<host>"
         host = parts.hostname or "?"
         port = f":{parts.port}" if parts.port else ""
         return f"{parts.scheme}://{host}{port}{parts.path}"
@@ -283,8 +286,11 @@ class RemoteStats:
     fetched_bytes: int
     written_blocks: int
     written_bytes: int
-    #: Blocks not written: the queue was full, or the write failed.
+    #: Blocks not written: the queue was full or the write cut short at close
+    #: (dropped), the block left the host before its turn (skipped), the server failed
+    #: it (failed).
     dropped_blocks: int
+    skipped_blocks: int
     failed_writes: int
     errors: int
     queued_blocks: int
@@ -321,11 +327,15 @@ class RemoteLink:
         self.nbytes = host_block_bytes
         self.batch = batch_blocks
         self.capacity = queue_blocks
-        self._send, self._receive = anyio.create_memory_object_stream[
-            tuple[int | bytes, int, Callable[[], None]]
-        ](queue_blocks)
+        self._send, self._receive = anyio.create_memory_object_stream[tuple[int | bytes, int]](
+            queue_blocks
+        )
         self.degraded = False
         self._finished = anyio.Event()
+        # Worker threads of their own (the writer's copies; the fetches' checks): the
+        # application's busy pool never stalls them.
+        self._limiter = anyio.CapacityLimiter(1)
+        self.read_limiter = anyio.CapacityLimiter(1)
         # Blocks queued and not yet written (or failed): ``idle`` waits for none.
         self._pending = 0
         self._idle = anyio.Event()
@@ -340,6 +350,7 @@ class RemoteLink:
                 "written_blocks",
                 "written_bytes",
                 "dropped_blocks",
+                "skipped_blocks",
                 "failed_writes",
                 "errors",
             ),
@@ -366,58 +377,72 @@ class RemoteLink:
 
     # -- writes -------------------------------------------------------------------------
 
-    def submit(
-        self,
-        entries: Sequence[tuple[int | bytes, int]],
-        release: Callable[[int | bytes, int], None],
-    ) -> None:
-        """Queue blocks to write (hash, host block, each held by the caller until
-        ``release(hash, block)``); those the queue cannot take are released at once and
-        counted as dropped. Never blocks."""
+    def submit(self, entries: Sequence[tuple[int | bytes, int]]) -> None:
+        """Queue blocks to write (hash, host block); those the queue cannot take are
+        dropped and counted. Never blocks, and holds nothing: a queued block may still be
+        evicted (then it is skipped: see ``run``)."""
         for block_hash, block in entries:
-            done = _once(functools.partial(release, block_hash, block))
             if not self.running:
                 self._counts["dropped_blocks"] += 1
-                done()
                 continue
             try:
-                self._send.send_nowait((block_hash, block, done))
+                self._send.send_nowait((block_hash, block))
             except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
                 self._counts["dropped_blocks"] += 1
-                done()
                 continue
             if not self._pending:
                 self._idle = anyio.Event()
             self._pending += 1
 
-    async def run(self, read_block: Callable[[int], memoryview], *, task_status: Any) -> None:
-        """The writer: batches of queued blocks, copied out in a worker thread (their
-        holds released as soon as the copy is over), then one pipelined write."""
+    async def run(
+        self,
+        read_block: Callable[[int], memoryview],
+        hold: Callable[[int | bytes, int], bool],
+        release: Callable[[int | bytes, int], None],
+        *,
+        task_status: Any,
+    ) -> None:
+        """The writer: batches of queued blocks, each held (``hold(hash, block)``: False
+        if the block no longer holds that hash, evicted or removed meanwhile: skipped)
+        only while a worker thread copies it out, then one pipelined write. When it ends
+        (the tier's close, or a failure), what is still queued is dropped and counted."""
         self.running = True
         task_status.started()
         try:
-            async with self._receive:
-                async for first in self._receive:
-                    batch = [first]
-                    while len(batch) < self.batch:
-                        try:
-                            batch.append(self._receive.receive_nowait())
-                        except (anyio.WouldBlock, anyio.EndOfStream):
-                            break
-                    await self._write(batch, read_block)
+            async for first in self._receive:
+                batch = [first]
+                while len(batch) < self.batch:
+                    try:
+                        batch.append(self._receive.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                await self._write(batch, read_block, hold, release)
         finally:
             self.running = False
+            while True:
+                try:
+                    self._receive.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+                self._counts["dropped_blocks"] += 1
+                self._settled(1)
+            self._receive.close()
             self._finished.set()
 
     async def _write(
         self,
-        batch: list[tuple[int | bytes, int, Callable[[], None]]],
+        batch: list[tuple[int | bytes, int]],
         read_block: Callable[[int], memoryview],
+        hold: Callable[[int | bytes, int], bool],
+        release: Callable[[int | bytes, int], None],
     ) -> None:
+        held = [(h, block) for h, block in batch if hold(h, block)]
+        self._counts["skipped_blocks"] += len(batch) - len(held)
+
         def copy_out() -> list[tuple[str, Sequence[bytes | memoryview]]]:
             # One copy per block: the host block into the value, after its header.
             items: list[tuple[str, Sequence[bytes | memoryview]]] = []
-            for block_hash, block, _ in batch:
+            for block_hash, block in held:
                 value = memoryview(bytearray(HEADER_BYTES + self.nbytes))
                 payload = value[HEADER_BYTES:]
                 payload[:] = read_block(block)
@@ -425,26 +450,27 @@ class RemoteLink:
                 items.append((self.key_of(block_hash), (value,)))
             return items
 
+        counted = False
         try:
             try:
-                items = await anyio.to_thread.run_sync(copy_out)
+                items = await anyio.to_thread.run_sync(copy_out, limiter=self._limiter)
             finally:
-                for _, _, done in batch:
-                    done()
+                for h, block in held:
+                    release(h, block)
             try:
                 await self.store.put(items)
-            except anyio.get_cancelled_exc_class():
-                # Cut short by the tier's close at its deadline: maybe written, maybe not.
-                self._counts["dropped_blocks"] += len(items)
-                raise
             except Exception as exc:
                 self._failed(_remote_error(exc, self.store), "put")
                 self._counts["failed_writes"] += len(items)
+                counted = True
                 return
             self._ok()
             self._counts["written_blocks"] += len(items)
             self._counts["written_bytes"] += len(items) * self.nbytes
+            counted = True
         finally:
+            if not counted:  # cut short (the tier's close at its deadline): maybe written
+                self._counts["dropped_blocks"] += len(held)
             self._settled(len(batch))
 
     def _settled(self, n: int) -> None:
@@ -462,17 +488,6 @@ class RemoteLink:
         self._send.close()
         with anyio.move_on_after(deadline_s):
             await self._finished.wait()
-
-    def drop_left(self) -> None:
-        """After the writer ended: release what is still queued, counted as dropped."""
-        while True:
-            try:
-                _, _, done = self._receive.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                break
-            self._counts["dropped_blocks"] += 1
-            done()
-            self._settled(1)
 
     # -- reads --------------------------------------------------------------------------
 
@@ -495,16 +510,18 @@ class RemoteLink:
         """The checked payloads of the leading ``hashes`` found valid (a miss, an error
         or an invalid value ends the run), read in pipelines of ``batch`` blocks: each
         one bounded by the store's timeout, whatever the run's length."""
-        self._counts["lookups"] += len(hashes)
         payloads: list[memoryview] = []
-        for lo in range(0, len(hashes), self.batch):
-            part = hashes[lo : lo + self.batch]
-            found = await self._fetch_part(part)
-            payloads += found
-            if len(found) < len(part):
-                break
-        self._counts["hit_blocks"] += len(payloads)
-        self._counts["missed_blocks"] += len(hashes) - len(payloads)
+        try:
+            for lo in range(0, len(hashes), self.batch):
+                part = hashes[lo : lo + self.batch]
+                found = await self._fetch_part(part)
+                payloads += found
+                if len(found) < len(part):
+                    break
+        finally:  # a cancelled fetch counts what it found and misses the rest
+            self._counts["lookups"] += len(hashes)
+            self._counts["hit_blocks"] += len(payloads)
+            self._counts["missed_blocks"] += len(hashes) - len(payloads)
         return payloads
 
     async def _fetch_part(self, hashes: Sequence[int | bytes]) -> list[memoryview]:
@@ -527,7 +544,7 @@ class RemoteLink:
                     break
             return out
 
-        checked = await anyio.to_thread.run_sync(check)
+        checked = await anyio.to_thread.run_sync(check, limiter=self.read_limiter)
         if checked and isinstance(checked[-1], str):
             reason = checked[-1]
             self._invalid[reason] = self._invalid.get(reason, 0) + 1
@@ -553,6 +570,7 @@ class RemoteLink:
             written_blocks=c["written_blocks"],
             written_bytes=c["written_bytes"],
             dropped_blocks=c["dropped_blocks"],
+            skipped_blocks=c["skipped_blocks"],
             failed_writes=c["failed_writes"],
             errors=c["errors"],
             queued_blocks=self._send.statistics().current_buffer_used,
@@ -565,15 +583,3 @@ def _remote_error(error: Exception, store: RemoteStore) -> RemoteError:
     if isinstance(error, RemoteError):
         return error
     return RemoteError(f"{store!r} raised {type(error).__name__}")
-
-
-def _once(fn: Callable[[], None]) -> Callable[[], None]:
-    called = False
-
-    def call() -> None:
-        nonlocal called
-        if not called:
-            called = True
-            fn()
-
-    return call
