@@ -25,7 +25,7 @@ import anyio.abc
 import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from asyncpin.errors import ConfigError, InvalidTransferError
+from asyncpin.errors import ConfigError, InvalidTransferError, TransferError
 from asyncpin.stats import TierStats
 from asyncpin.tier.index import BlockEvent, BlockHash, BlockIndex, IndexStats, StorePlan
 from asyncpin.tier.policies import POLICY_NAMES
@@ -367,7 +367,9 @@ class KVTier:
         """``load``, one transfer per group of arrays (ranges of consecutive arrays; by
         default ``layout.tensor_arrays``: one group per tensor the layout was made from,
         a layer's K and V say), queued in order. The blocks are kept from eviction until
-        every group is done. Bad input raises InvalidTransferError, nothing queued."""
+        every group is done. Bad input raises InvalidTransferError, nothing queued. A group
+        that cannot be queued after earlier ones were fails, with the rest, through the
+        handle (``await load`` raises it once the queued groups are over)."""
         ranges = self._groups(groups)
         keys, gpu = self._checked("load", hashes, gpu_block_ids, method)
         host = self.index.begin_load(keys)
@@ -381,7 +383,20 @@ class KVTier:
 
         try:
             for group in ranges:
-                transfers.append(self.manager.load(host, gpu, method=method, arrays=group))
+                try:
+                    transfers.append(self.manager.load(host, gpu, method=method, arrays=group))
+                except TransferError as exc:
+                    if not transfers:
+                        raise  # nothing queued: the call fails
+                    # Earlier groups are queued and will write the device blocks: the
+                    # handle is returned, this group and the rest failed with the error.
+                    from asyncpin.transfers import Transfer as Failed  # see the docstring
+
+                    for _ in range(len(transfers), len(ranges)):
+                        failed = Failed("load", len(gpu), 0)
+                        failed._finish(exc)
+                        transfers.append(failed)
+                    break
         finally:
             # The blocks stay protected until every transfer queued so far is over.
             left[0] = len(transfers)
