@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from asyncpin import KVLayout, ManagerStats, OffloadManager, PinBackend, Transfer, _sys
+from asyncpin.abc import EngineSetup
 from asyncpin.engines.host import HostTransferEngine
 from asyncpin.transfers import TransferJob
 from tests.helpers import TIMEOUT_S
@@ -235,3 +236,20 @@ class CopyGate:
         for _ in range(copies):
             ok = await anyio.to_thread.run_sync(self.entered.acquire, True, TIMEOUT_S)
             assert ok, "no copy reached the gate"
+
+
+EngineT = TypeVar("EngineT")
+
+
+def engines_made(
+    make_one: Callable[[EngineSetup], EngineT],
+) -> tuple[list[EngineT], Callable[[EngineSetup], EngineT]]:
+    """An engine factory for ``engine=`` that keeps what it made, for a test to drive:
+    ``engines, make = engines_made(lambda setup: FakeEngine(setup, copy=True))``."""
+    engines: list[EngineT] = []
+
+    def make(setup: EngineSetup) -> EngineT:
+        engines.append(make_one(setup))
+        return engines[-1]
+
+    return engines, make

@@ -18,6 +18,7 @@ from asyncpin.engines.host import HostTransferEngine
 from asyncpin.testing import FakeBackend, FakeEngine
 from asyncpin.tier import KVTier
 from asyncpin.transfers import TransferJob
+from tests.kit import engines_made
 from tests.layouts import CASES, block_bytes, build, randomize_arrays, round_trip
 
 pytestmark = pytest.mark.anyio
@@ -363,11 +364,7 @@ class TestReviewFindings:
 
     async def test_a_layer_load_waits_for_every_group_before_it_raises(self) -> None:
         layout = build("joined", BLOCKS, "cpu")
-        engines: list[FakeEngine] = []
-
-        def make(setup: EngineSetup) -> FakeEngine:
-            engines.append(FakeEngine(setup, copy=True))
-            return engines[-1]
+        engines, make = engines_made(lambda setup: FakeEngine(setup, copy=True))
 
         with anyio.fail_after(TIMEOUT_S):
             async with OffloadManager.for_kv(

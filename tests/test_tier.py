@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from asyncpin import ConfigError, InvalidTransferError, KVLayout, OffloadManager
-from asyncpin.abc import EngineSetup
 from asyncpin.engines.host import HostTransferEngine
 from asyncpin.testing import FakeBackend, FakeEngine
 from asyncpin.tier import BlockEvent, KVTier
 from asyncpin.transfers import TransferJob
+from tests.kit import engines_made
 
 pytestmark = pytest.mark.anyio
 
@@ -79,12 +79,7 @@ async def test_a_failed_store_leaves_nothing_indexed() -> None:
 async def test_a_block_being_loaded_is_never_evicted_and_a_full_store_says_what_it_skipped() -> (
     None
 ):
-    engines: list[FakeEngine] = []
-
-    def make(setup: EngineSetup) -> FakeEngine:
-        engine = FakeEngine(setup, copy=True)
-        engines.append(engine)
-        return engine
+    engines, make = engines_made(lambda setup: FakeEngine(setup, copy=True))
 
     with anyio.fail_after(TIMEOUT_S):
         async with OffloadManager.for_kv(

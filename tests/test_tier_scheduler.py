@@ -37,7 +37,7 @@ from asyncpin.abc import EngineSetup
 from asyncpin.testing import FakeBackend
 from asyncpin.tier.index import BlockHash, BlockIndex, StorePlan
 from tests.helpers import TIMEOUT_S, wait_thread_event
-from tests.kit import CopyGate
+from tests.kit import CopyGate, engines_made
 from tests.tier_worker_child import (
     CHUNK,
     CRASH_STATUS,
@@ -228,13 +228,7 @@ async def load(
 
 
 def engine_factory() -> tuple[list[FlakyEngine], Callable[[EngineSetup], FlakyEngine]]:
-    engines: list[FlakyEngine] = []
-
-    def make(setup: EngineSetup) -> FlakyEngine:
-        engines.append(FlakyEngine(setup))
-        return engines[-1]
-
-    return engines, make
+    return engines_made(FlakyEngine)
 
 
 @pytest.mark.anyio

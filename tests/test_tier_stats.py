@@ -23,6 +23,7 @@ from asyncpin.testing import FakeBackend
 from asyncpin.tier import BlockIndex, KVTier
 from asyncpin.transfers import TransferJob
 from tests.helpers import TIMEOUT_S
+from tests.kit import engines_made
 
 pytestmark = pytest.mark.anyio
 
@@ -108,11 +109,7 @@ def registry() -> Iterator[CollectorRegistry]:
 
 
 async def test_counts_after_real_operations(registry: CollectorRegistry) -> None:
-    engines: list[FlakyEngine] = []
-
-    def make(setup: EngineSetup) -> FlakyEngine:
-        engines.append(FlakyEngine(setup))
-        return engines[-1]
+    engines, make = engines_made(FlakyEngine)
 
     layout = _layout()
     host_block_bytes = layout.host_block_bytes
