@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
@@ -295,20 +296,31 @@ class KVTier:
     def _release(self, block_hash: BlockHash, block: int) -> None:
         self.index.end_load([block_hash], [block])
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
         remote, tasks = self.remote, self._tasks
         if remote is None or tasks is None:
-            return
+            return None
         self._tasks = None
+        suppress: bool | None = None
         try:
             with anyio.CancelScope(shield=True):
                 await remote.flush(self._flush_timeout_s)
         finally:
             tasks.cancel_scope.cancel()
-            await tasks.__aexit__(None, None, None)  # the writer drops what is left
-            self._rows = None
-            with anyio.CancelScope(shield=True), anyio.move_on_after(self._flush_timeout_s):
-                await remote.store.aclose()
+            try:
+                # The body's own exception goes through the writer's task group, so that
+                # a cancellation the group made of it comes out as what caused it.
+                suppress = await tasks.__aexit__(exc_type, exc, tb)  # the writer drops the rest
+            finally:
+                self._rows = None
+                with anyio.CancelScope(shield=True), anyio.move_on_after(self._flush_timeout_s):
+                    await remote.store.aclose()
+        return suppress
 
     def lookup(self, hashes: Iterable[BlockHash]) -> int:
         """How many leading hashes can be loaded now."""

@@ -416,7 +416,10 @@ class RemoteLink:
                         batch.append(self._receive.receive_nowait())
                     except (anyio.WouldBlock, anyio.EndOfStream):
                         break
-                await self._write(batch, read_block, hold, release)
+                try:
+                    await self._write(batch, read_block, hold, release)
+                except Exception as exc:  # never the writer's end (counted as dropped)
+                    _log.error("tier.remote_writer_failed", error=repr(exc))
         finally:
             self.running = False
             while True:
