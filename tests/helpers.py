@@ -9,6 +9,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -66,28 +67,38 @@ def digest(view: torch.Tensor) -> str:
     return hashlib.sha256(view.numpy().tobytes()).hexdigest()
 
 
-_THREAD_STACK = 8 << 20  # glibc's default thread stack (RLIMIT_STACK here)
-_ARENA_ALIGN = 64 << 20  # glibc's per-thread malloc arenas are reserved 64 MiB-aligned
+@dataclass(frozen=True)
+class Footprint:
+    """This process's threads, mappings and open file descriptors."""
+
+    threads: frozenset[str]
+    anonymous: int  # anonymous mappings: threads make and drop theirs (stacks, arenas)
+    files: tuple[str, ...]  # file-backed mappings, sorted (a shared region's file)
+    fds: frozenset[str]
+
+    def same_as(self, before: Footprint) -> bool:
+        """Nothing left behind since ``before``. While a thread started or ended meanwhile
+        (anyio's pool, a finished test's threads), its stack and malloc arena come and go:
+        anonymous mappings are then not comparable, the rest is."""
+        if self.threads == before.threads:
+            return self == before
+        return (self.files, self.fds) == (before.files, before.fds)
 
 
-def footprint() -> tuple[int, frozenset[str]]:
-    """Mappings and open file descriptors of this process, to compare before/after.
-
-    Anonymous mappings that threads make and drop (stacks, their guard pages, malloc's
-    per-thread arenas) are left out: a worker thread starting or ending in the meantime
-    (anyio's pool, a finished test's threads) is not a mapping the code under test left
-    behind."""
-    kept = 0
+def footprint() -> Footprint:
+    anonymous, files = 0, []
     for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split(maxsplit=5)
-        start, end = (int(x, 16) for x in fields[0].split("-"))
-        anonymous = len(fields) < 6
-        if anonymous and (
-            fields[1] == "---p" or end - start == _THREAD_STACK or start % _ARENA_ALIGN == 0
-        ):
-            continue
-        kept += 1
-    return kept, frozenset(os.listdir("/proc/self/fd"))
+        if len(fields) < 6 or fields[5].startswith("["):
+            anonymous += 1
+        else:
+            files.append(fields[5])
+    return Footprint(
+        frozenset(os.listdir("/proc/self/task")),
+        anonymous,
+        tuple(sorted(files)),
+        frozenset(os.listdir("/proc/self/fd")),
+    )
 
 
 @contextmanager
@@ -101,7 +112,7 @@ def refused(error: type[E], *words: str) -> Iterator[pytest.ExceptionInfo[E]]:
     for word in words:
         assert word in message, f"{word!r} not in {message!r}"
     assert isinstance(info.value, AsyncpinError)
-    assert footprint() == before, "a mapping or file descriptor was left behind"
+    assert footprint().same_as(before), "a mapping or file descriptor was left behind"
 
 
 async def open_manager(nbytes: Any, **kwargs: Any) -> None:
