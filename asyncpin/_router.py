@@ -8,7 +8,7 @@ only: it never looks into the pipeline itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -97,9 +97,7 @@ class TransferRouter:
         InvalidTransferError with nothing enqueued."""
         job = self._validated(direction, gpu, cpu, method, arrays)
         transfer = job.transfer
-        size, stride, offset = self.layout.host_block_bytes, self._stride, self._offset
-        spans = [(c * stride + offset, size) for c in job.cpu_ids]
-        needed = self._table.unpinned(spans)
+        needed = self._table.unpinned(self._spans(job.cpu_ids))
         if needed and self._policy == "wait":
             # A store must not copy blocks before the compute stream has produced them,
             # and a load must not overwrite blocks the compute stream is still reading:
@@ -113,6 +111,7 @@ class TransferRouter:
             self.counts.pageable += 1
             region = self._region
             if region.backing == "shared":
+                spans = list(self._spans(job.cpu_ids))
                 job.reserve = lambda: region.reserve(spans)
             self._enqueue(job, pageable=True)
         else:
@@ -151,6 +150,11 @@ class TransferRouter:
         self.check_method(method)
         transfer = Transfer(direction, len(gpu), len(gpu) * nbytes)
         return TransferJob(transfer, gpu, cpu, method, arrays, on_finish=_settle)
+
+    def _spans(self, cpu_ids: list[int]) -> Iterator[tuple[int, int]]:
+        """``(offset, nbytes)`` in the region of each host block (this rank's part)."""
+        size, stride, offset = self.layout.host_block_bytes, self._stride, self._offset
+        return ((c * stride + offset, size) for c in cpu_ids)
 
     def check_method(self, method: object) -> None:
         if method != "auto" and method not in self.engine.methods():
