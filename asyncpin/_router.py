@@ -21,6 +21,7 @@ from asyncpin.kv import KVLayout
 from asyncpin.region import HostRegion
 from asyncpin.transfers import (
     BlockIds,
+    CheckedIds,
     Direction,
     Method,
     Transfer,
@@ -141,8 +142,9 @@ class TransferRouter:
             raise InvalidTransferError(
                 f"gpu_block_ids has {len(gpu)} ids and cpu_block_ids {len(cpu)}"
             )
-        dst = cpu if direction == "store" else gpu
-        if len(set(dst)) != len(dst):
+        dst, given = (cpu, cpu_ids) if direction == "store" else (gpu, gpu_ids)
+        checked = type(given) is CheckedIds and given.unique
+        if not checked and len(set(dst)) != len(dst):
             raise InvalidTransferError(
                 f"{'cpu' if direction == 'store' else 'gpu'}_block_ids has duplicate "
                 "destinations: the result would depend on copy order"

@@ -286,6 +286,22 @@ def _is_array(ids: object) -> bool:
     return all(hasattr(ids, name) for name in ("dtype", "ndim", "shape", "tolist"))
 
 
+class CheckedIds(tuple[int, ...]):
+    """Block ids checked once, to be handed to several transfers (a layer-wise load's
+    groups): ints, with their ``bound`` (one past the largest, 0 when empty) and whether
+    they are ``unique``. Immutable, so ``block_ids`` checks only the bound again."""
+
+    bound: int
+    unique: bool
+
+    def __new__(cls, ids: BlockIds, what: str, limit: int) -> CheckedIds:
+        values = block_ids(ids, what, limit)
+        self = super().__new__(cls, values)
+        self.bound = max(values) + 1 if values else 0
+        self.unique = len(set(values)) == len(values)
+        return self
+
+
 def block_ids(ids: BlockIds, what: str, limit: int) -> list[int]:
     """Validate a list of block ids: 1-D integers on the CPU (a sequence of ints, a CPU
     tensor or a NumPy array), all in ``[0, limit)``.
@@ -293,6 +309,10 @@ def block_ids(ids: BlockIds, what: str, limit: int) -> list[int]:
     Returns a copy as a plain list (the caller may reuse its buffer at once). Plain Python
     keeps a small transfer's submission to a few microseconds; a torch op on a CPU tensor
     costs several."""
+    if type(ids) is CheckedIds:
+        if ids.bound > limit:
+            raise InvalidTransferError(f"{what} holds {ids.bound - 1}, outside [0, {limit})")
+        return list(ids)
     if isinstance(ids, torch.Tensor):
         if ids.device.type != "cpu":
             raise InvalidTransferError(

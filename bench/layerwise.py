@@ -150,6 +150,13 @@ async def measure_gpu(tokens: list[int], suffix: int, repeats: int) -> dict[str,
             }
             row.update(alone)
             row["compute_only_ms"] = median(layers_only) * 1e3
+            whole, layered = tier.load(hashes, dest), tier.load_layers(hashes, dest)
+            await whole
+            await layered
+            row["methods"] = {  # what auto chose
+                "whole": whole.method,
+                "layerwise": sorted({t.method for t in layered.transfers}),
+            }
             row["bytes"] = nbytes
             row["layerwise_vs_whole"] = row["layerwise"]["total_ms"] / row["whole"]["total_ms"]
             row["layerwise_vs_peer"] = row["layerwise"]["total_ms"] / row["peer"]["total_ms"]

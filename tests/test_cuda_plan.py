@@ -297,6 +297,7 @@ def _choose(
     pageable: bool = False,
     kernel: bool = True,
     staged: bool = True,
+    partial: bool = False,
 ) -> tuple[str, int]:
     """The method chosen, and how many times staging was asked for."""
     asked: list[int] = []
@@ -313,6 +314,7 @@ def _choose(
         pageable=pageable,
         kernel_usable=kernel,
         staged=stage,
+        partial=partial,
     )
     return method, len(asked)
 
@@ -342,6 +344,15 @@ class TestChooseMethod:
 
     def test_auto_small_blocks_is_pack(self) -> None:
         assert _choose("auto", block_bytes=(1 << 20) - 8) == ("pack", 1)
+
+    def test_auto_part_of_the_arrays_is_kernel(self) -> None:
+        # A layer's group: its host bytes are a strided piece per block, which pack
+        # would queue one DMA each; the kernel reads them in one launch.
+        assert _choose("auto", partial=True) == ("kernel", 0)
+        assert _choose("auto", partial=True, blocks=16, arrays=4) == ("batch", 0)  # small
+        assert _choose("auto", partial=True, block_bytes=1 << 20) == ("batch", 0)
+        assert _choose("auto", partial=True, kernel=False) == ("batch", 0)
+        assert _choose("pack", partial=True) == ("pack", 1)  # asked for: kept
 
     def test_pack_without_staging_is_batch(self) -> None:
         assert _choose("pack", staged=False) == ("batch", 1)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from asyncpin import InvalidTransferError
-from asyncpin.transfers import block_ids
+from asyncpin.transfers import CheckedIds, block_ids
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint8, np.uint32, np.intp])
@@ -62,3 +62,15 @@ async def test_a_manager_takes_numpy_ids(anyio_backend: str) -> None:
             assert torch.equal(mgr.host_blocks()[3, 0], array[6])
             await mgr.load(np.array([3], dtype=np.uint64), [np.int64(1)])
             assert torch.equal(array[1], array[6])
+
+
+def test_checked_ids_are_checked_once_and_keep_their_bound() -> None:
+    ids = CheckedIds(np.array([5, 2, 9], dtype=np.int32), "gpu_block_ids", 10)
+    assert (tuple(ids), ids.bound, ids.unique) == ((5, 2, 9), 10, True)
+    assert block_ids(ids, "gpu_block_ids", 10) == [5, 2, 9]
+    with pytest.raises(InvalidTransferError, match=r"holds 9, outside \[0, 9\)"):
+        block_ids(ids, "gpu_block_ids", 9)
+    assert CheckedIds([1, 1], "x", 4).unique is False
+    assert (CheckedIds([], "x", 4).bound, block_ids(CheckedIds([], "x", 4), "x", 0)) == (0, [])
+    with pytest.raises(InvalidTransferError, match="outside"):
+        CheckedIds([0, 4], "x", 4)

@@ -31,6 +31,7 @@ from asyncpin import (
     TransferError,
 )
 from asyncpin.testing import FakeBackend
+from asyncpin.transfers import CheckedIds
 from tests.helpers import TIMEOUT_S
 from tests.kit import (
     PAGE,
@@ -83,6 +84,10 @@ BAD_IDS_EITHER_WAY = [
     BadIds("bytes", b"\x00\x01", [0, 1], ("gpu_block_ids", "bytes")),
     BadIds("memoryview", [0, 1], memoryview(b"\x00\x01"), ("cpu_block_ids", "memoryview")),
     BadIds("sparse-tensor", torch.tensor([0, 1]).to_sparse(), [0, 1], ("dense", "sparse")),
+    # Ids checked once against a larger bound (a layer-wise load's groups share them): the
+    # manager still checks the bound against its own blocks.
+    BadIds("checked-gpu-beyond", CheckedIds([0, N], "ids", 1 << 20), [0, 1], (f"{N}, outside",)),
+    BadIds("checked-cpu-beyond", [0, 1], CheckedIds([H + 3], "ids", 1 << 20), (f"{H + 3}",)),
 ]
 BAD_IDS: list[tuple[Direction, BadIds]] = [
     (direction, case) for direction in ("store", "load") for case in BAD_IDS_EITHER_WAY
@@ -91,6 +96,9 @@ BAD_IDS: list[tuple[Direction, BadIds]] = [
 BAD_IDS += [
     ("store", BadIds("dup-dst", [0, 1, 2], [4, 5, 4], ("cpu_block_ids", "duplicate"))),
     ("load", BadIds("dup-dst", [7, 3, 7], [4, 5, 6], ("gpu_block_ids", "duplicate"))),
+    # Checked ids skip the duplicate check only when they were found unique.
+    ("store", BadIds("dup-checked", [0, 1], CheckedIds([4, 4], "c", H), ("duplicate",))),
+    ("load", BadIds("dup-checked", CheckedIds([3, 3], "g", N), [4, 5], ("duplicate",))),
 ]
 
 

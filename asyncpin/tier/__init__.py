@@ -131,7 +131,12 @@ class LayerStore:
         self.groups = groups
         #: The copy of each group, None until queued.
         self.transfers: list[Transfer | None] = [None] * len(groups)
-        self._tier, self._gpu, self._method = tier, gpu, method
+        from asyncpin.transfers import CheckedIds  # torch: see the module docstring
+
+        # Checked once for every group's copy.
+        self._gpu = CheckedIds(gpu, "gpu_block_ids", tier._num_blocks)
+        self._host = CheckedIds(plan.host_blocks, "cpu_block_ids", tier.manager.num_host_blocks)
+        self._tier, self._method = tier, method
         self._closed = False  # every group queued, or aborted: no more queued
         self._failed = False
         self._running = 0
@@ -161,7 +166,7 @@ class LayerStore:
         try:
             transfer = self._tier.manager.store(
                 self._gpu,
-                list(self.plan.host_blocks),
+                self._host,
                 method=self._method,
                 arrays=self.groups[i],
             )
@@ -383,8 +388,13 @@ class KVTier:
         that cannot be queued after earlier ones were fails, with the rest, through the
         handle (``await load`` raises it once the queued groups are over)."""
         ranges = self._groups(groups)
+        from asyncpin.transfers import CheckedIds  # torch: see the module docstring
+
         keys, gpu = self._checked("load", hashes, gpu_block_ids, method)
+        # Checked once for every group (a 2048-block group took 0.3 ms to check).
+        gpu_ids = CheckedIds(gpu, "gpu_block_ids", self._num_blocks)
         host = self.index.begin_load(keys)
+        host_ids = CheckedIds(host, "cpu_block_ids", self.manager.num_host_blocks)
         transfers: list[Transfer] = []
         left = [0]
 
@@ -396,7 +406,9 @@ class KVTier:
         try:
             for group in ranges:
                 try:
-                    transfers.append(self.manager.load(host, gpu, method=method, arrays=group))
+                    transfers.append(
+                        self.manager.load(host_ids, gpu_ids, method=method, arrays=group)
+                    )
                 except TransferError as exc:
                     if not transfers:
                         raise  # nothing queued: the call fails

@@ -164,6 +164,7 @@ class CudaTransferEngine:
             pageable=pageable,
             kernel_usable=kernel_usable,
             staged=lambda: self._staged(job),
+            partial=job.arrays is not None,
         )
 
     def _staged(self, job: TransferJob) -> bool:

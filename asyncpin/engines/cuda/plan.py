@@ -104,20 +104,27 @@ def choose_method(
     pageable: bool,
     kernel_usable: bool,
     staged: Callable[[], bool],
+    partial: bool = False,
 ) -> str:
     """The method a job runs with. Never the copy kernel (pack, kernel) unless
     ``kernel_usable`` (Triton is there and the layout is safe for it: a misaligned access
     would end the process's CUDA context). ``staged()`` says whether the direction's pack
     staging exists or could be made now; it is asked only for a pack job that moves
-    blocks."""
+    blocks. ``partial``: the job moves some of the arrays (a layer's group): under auto, small
+    blocks of it go by the copy kernel, not pack, since such a job's host bytes are one
+    strided piece per block and pack would plan and queue a DMA for each (H200: 32 groups of
+    2048 blocks took 136 ms of CPU to queue by pack, 25 ms by kernel; the GPU moved them at
+    55 and 51 GB/s): bench/RESULTS.md#layerwise."""
     if pageable or not kernel_usable:
         return "batch"
     if requested != "auto":
         method = requested
     elif is_small(num_blocks, num_arrays):
         return "batch"
+    elif block_bytes >= BATCH_MIN_BLOCK_BYTES:
+        method = "batch"
     else:
-        method = "batch" if block_bytes >= BATCH_MIN_BLOCK_BYTES else "pack"
+        method = "kernel" if partial else "pack"
     if method == "pack" and num_blocks and not staged():
         return "batch"
     return method
