@@ -15,6 +15,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("redis", reason="the remote tier's tests need redis-py (asyncpin[remote])")
+
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry
