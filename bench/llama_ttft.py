@@ -75,16 +75,17 @@ def _prompts(vocab: int, tokens: int, suffix: int, seed: int) -> tuple[list[int]
 
 async def _serve_remote(engine: PrefixEngine, tier: KVTier, prompt: list[int], new: int) -> Served:
     """The prefix only in the remote tier (the host tier cleared first, untimed):
-    ``tier.restore`` fetches it into host blocks, checks it and loads it; then the suffix is
-    prefilled as for a host hit. TTFT from the start of ``restore``."""
+    ``tier.lookup_remote`` finds it, ``tier.restore`` fetches it into host blocks, checks it
+    and loads it; then the suffix is prefilled as for a host hit. TTFT from the lookup."""
     bs = engine.block_size
     hashes = prefix_hashes(prompt, bs)[: (len(prompt) - 1) // bs]
     tier.clear()
     _sync(engine.device)
     t0 = time.perf_counter()
-    ids = engine.allocate(len(hashes))
+    # As an engine schedules: how many leading blocks the tiers have, then pool blocks.
+    ids = engine.allocate(await tier.lookup_remote(hashes))
     try:
-        n = await tier.restore(hashes, ids)
+        n = await tier.restore(hashes[: len(ids)], ids)
     except BaseException:
         engine.free(ids)
         raise
