@@ -434,3 +434,111 @@ def test_decoded_responses_and_odd_urls_are_handled() -> None:
         RedisStore("redis://127.0.0.1:1/0", decode_responses=True)
     store = RedisStore("redis://admin:12/34@127.0.0.1:1/0")  # a '/' in the password
     assert "34" not in repr(store) and "12" not in repr(store)
+
+
+async def test_the_next_part_is_read_while_a_part_goes_into_host_blocks(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """A restore reads pipeline k+1 while pipeline k's values are copied into host blocks
+    (before, every part was read, then one copy took them all): the copy of the first
+    part is held until the second read has started."""
+    second_read = anyio.Event()
+    reads: list[int] = []
+
+    class Recording(RedisStore):
+        async def get(self, keys: Any) -> list[bytes | None]:
+            reads.append(len(keys))
+            if len(reads) == 2:
+                second_read.set()
+            return await super().get(keys)
+
+    layout = make_layout()
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            store = Recording(redis_server.url, timeout_s=2.0)
+            async with KVTier(mgr, remote=store, namespace=redis_keyspace.rstrip(":")) as tier:
+                hashes = list(range(600, 630))
+                kept = await stored_and_forgotten(tier, layout, hashes)
+                for raw in layout.byte_arrays():
+                    raw.zero_()
+                copy_in = tier._into_host
+                copied: list[int] = []
+
+                async def held_copy(keys: Any, payloads: Any, remote: Any) -> Any:
+                    if not copied:
+                        with anyio.fail_after(5):
+                            await second_read.wait()
+                    copied.append(len(keys))
+                    return await copy_in(keys, payloads, remote)
+
+                tier._into_host = held_copy  # type: ignore[method-assign]
+                assert await tier.restore(hashes, list(range(30))) == 30
+                assert (reads, copied) == ([16, 14], [16, 14])
+                assert same(layout, list(range(30)), kept)
+                await nothing_held(tier)
+
+
+async def test_a_fetched_part_is_kept_from_eviction_until_the_load(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """Half the host is held by another load: a restore of a whole host's worth of
+    blocks fetches the first part into the free half, and the second part must not evict
+    it (each part is stored on its own; without the hold the second evicted the first and
+    the restore found nothing): it is skipped for want of room, the first restored."""
+    layout = make_layout()
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            store = RedisStore(redis_server.url, timeout_s=2.0)
+            async with KVTier(mgr, remote=store, namespace=redis_keyspace.rstrip(":")) as tier:
+                hashes = list(range(700, 700 + BLOCKS))
+                kept = await stored_and_forgotten(tier, layout, hashes)
+                others = list(range(900, 916))
+                await tier.store(others, list(range(16))).transfer
+                held = tier.index.begin_load(others)  # another load under way
+                try:
+                    for raw in layout.byte_arrays():
+                        raw.zero_()
+                    assert await tier.restore(hashes, list(range(BLOCKS))) == 16
+                    assert same(layout, list(range(16)), [k[:16] for k in kept])
+                finally:
+                    tier.index.end_load(others, held)
+                await nothing_held(tier)
+
+
+async def nothing_held(tier: KVTier) -> None:
+    """Every host block can be evicted: a store of a whole host's worth finds room."""
+    fresh = tier.store(list(range(5000, 5000 + BLOCKS)), list(range(BLOCKS)))
+    await fresh.transfer
+    assert fresh.skipped == ()
+
+
+async def test_a_failed_copy_into_host_blocks_is_raised_as_itself(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """The copy of the second part fails: restore raises that error (not a task group's
+    exception group), and the first part, copied in and held, is let go."""
+    layout = make_layout()
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            store = RedisStore(redis_server.url, timeout_s=2.0)
+            async with KVTier(mgr, remote=store, namespace=redis_keyspace.rstrip(":")) as tier:
+                hashes = list(range(800, 830))
+                await stored_and_forgotten(tier, layout, hashes)
+                copy_in = tier._into_host
+                calls: list[int] = []
+
+                async def failing(keys: Any, payloads: Any, remote: Any) -> Any:
+                    calls.append(len(keys))
+                    if len(calls) == 2:
+                        raise OSError("no copy")
+                    return await copy_in(keys, payloads, remote)
+
+                tier._into_host = failing  # type: ignore[method-assign]
+                with pytest.raises(OSError, match="no copy"):
+                    await tier.restore(hashes, list(range(30)))
+                assert calls == [16, 14]
+                assert tier.lookup(hashes) == 16  # the first part is on the host
+                await nothing_held(tier)

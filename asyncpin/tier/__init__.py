@@ -549,6 +549,12 @@ class KVTier:
             # (up to the next block the host has, at most what it can hold besides) is
             # fetched and put in host blocks.
             prefix = self.index.begin_load(keys[:n], touch=False)
+            # Fetched parts, each kept from eviction from its copy in to the load.
+            held: list[tuple[list[BlockHash], list[int]]] = []
+
+            async def into(part: Sequence[BlockHash], payloads: list[memoryview]) -> None:
+                held.append(await self._into_host(list(part), payloads, remote))
+
             try:
                 end = n
                 while (
@@ -557,12 +563,13 @@ class KVTier:
                     and keys[end] not in self.index
                 ):
                     end += 1
-                payloads = await remote.fetch(keys[n:end])
-                if payloads:
-                    await self._into_host(keys[n : n + len(payloads)], payloads, remote)
+                # Each part goes into host blocks while the next is read.
+                await remote.fetch_into(keys[n:end], into)
                 n = self.index.lookup(keys)
                 transfer = self.load(keys[:n], gpu[:n], method=method) if n else None
             finally:
+                for part, blocks in held:
+                    self.index.end_load(part, blocks)
                 self.index.end_load(keys[: len(prefix)], prefix)
             if transfer is not None:
                 await transfer
@@ -573,8 +580,9 @@ class KVTier:
 
     async def _into_host(
         self, keys: list[BlockHash], payloads: list[memoryview], remote: RemoteLink
-    ) -> None:
-        """Fetched blocks into host blocks the index gives them, then indexed."""
+    ) -> tuple[list[BlockHash], list[int]]:
+        """Fetched blocks into host blocks the index gives them, then indexed. Returns
+        the leading ones loadable now, kept from eviction (``index.end_load`` them)."""
         rows = self.manager.host_bytes()
         plan = self.index.begin_store(keys)
         by_hash = dict(zip(keys, payloads, strict=True))
@@ -585,11 +593,17 @@ class KVTier:
 
         ok = False
         try:
-            await anyio.to_thread.run_sync(copy_in, limiter=remote.read_limiter)
+            await anyio.to_thread.run_sync(copy_in, limiter=remote.copy_limiter)
             ok = True
         finally:
             self.index.end_store(plan, ok=ok)  # not written back: it came from there
         remote.fetched(len(plan.hashes))
+        ready: list[BlockHash] = []
+        for h in keys:
+            if h not in self.index:  # no room for it: the run ends before it
+                break
+            ready.append(h)
+        return ready, self.index.begin_load(ready, touch=False)
 
     def stats(self) -> TierStats:
         """The index's counters, the bytes its resident blocks hold, the policy and

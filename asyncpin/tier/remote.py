@@ -32,7 +32,7 @@ import hashlib
 import json
 import struct
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -336,6 +336,7 @@ class RemoteLink:
         # application's busy pool never stalls them.
         self._limiter = anyio.CapacityLimiter(1)
         self.read_limiter = anyio.CapacityLimiter(1)
+        self.copy_limiter = anyio.CapacityLimiter(1)  # fetched values into host blocks
         # Blocks queued and not yet written (or failed): ``idle`` waits for none.
         self._pending = 0
         self._idle = anyio.Event()
@@ -514,18 +515,64 @@ class RemoteLink:
         or an invalid value ends the run), read in pipelines of ``batch`` blocks: each
         one bounded by the store's timeout, whatever the run's length."""
         payloads: list[memoryview] = []
+
+        async def keep(_: Sequence[int | bytes], got: list[memoryview]) -> None:
+            payloads.extend(got)
+
+        await self.fetch_into(hashes, keep)
+        return payloads
+
+    async def fetch_into(
+        self,
+        hashes: Sequence[int | bytes],
+        into: Callable[[Sequence[int | bytes], list[memoryview]], Awaitable[None]],
+    ) -> int:
+        """``fetch``, handing each pipeline's checked payloads to ``into`` (with their
+        hashes) as they come, while the next pipeline is read and checked: a read overlaps
+        the previous part's copy, and at most three parts are in memory. Returns the
+        blocks handed over. ``into`` raising ends the fetch with its exception."""
+        found = 0
+        send, receive = anyio.create_memory_object_stream[
+            tuple[Sequence[int | bytes], list[memoryview]]
+        ](1)
+
+        # The first exception of the reader or of ``into`` ends both and is raised as
+        # itself, not in a task group's exception group.
+        failure: list[Exception] = []
+
+        async def read() -> None:
+            nonlocal found
+            async with send:
+                try:
+                    for lo in range(0, len(hashes), self.batch):
+                        part = hashes[lo : lo + self.batch]
+                        got = await self._fetch_part(part)
+                        found += len(got)
+                        if got:
+                            await send.send((part[: len(got)], got))
+                        if len(got) < len(part):
+                            break
+                except Exception as exc:
+                    failure.append(exc)
+
+        handed = 0
         try:
-            for lo in range(0, len(hashes), self.batch):
-                part = hashes[lo : lo + self.batch]
-                found = await self._fetch_part(part)
-                payloads += found
-                if len(found) < len(part):
-                    break
+            async with anyio.create_task_group() as tg, receive:
+                tg.start_soon(read)
+                try:
+                    async for part, payloads in receive:
+                        await into(part, payloads)
+                        handed += len(payloads)
+                except Exception as exc:
+                    failure.append(exc)
+                    tg.cancel_scope.cancel()
+            if failure:
+                raise failure[0]
         finally:  # a cancelled fetch counts what it found and misses the rest
             self._counts["lookups"] += len(hashes)
-            self._counts["hit_blocks"] += len(payloads)
-            self._counts["missed_blocks"] += len(hashes) - len(payloads)
-        return payloads
+            self._counts["hit_blocks"] += found
+            self._counts["missed_blocks"] += len(hashes) - found
+        return handed
 
     async def _fetch_part(self, hashes: Sequence[int | bytes]) -> list[memoryview]:
         try:
