@@ -286,20 +286,45 @@ def _is_array(ids: object) -> bool:
     return all(hasattr(ids, name) for name in ("dtype", "ndim", "shape", "tolist"))
 
 
+_SEAL = object()  # only CheckedIds.__new__ has it: a CheckedIds made otherwise is not trusted
+
+
 class CheckedIds(tuple[int, ...]):
     """Block ids checked once, to be handed to several transfers (a layer-wise load's
     groups): ints, with their ``bound`` (one past the largest, 0 when empty) and whether
-    they are ``unique``. Immutable, so ``block_ids`` checks only the bound again."""
-
-    bound: int
-    unique: bool
+    they are ``unique``. Immutable, attributes included, so ``block_ids`` checks only the
+    bound again; one not made by its constructor (``tuple.__new__``) is checked in full,
+    and a copy or a pickle comes back as a plain tuple."""
 
     def __new__(cls, ids: BlockIds, what: str, limit: int) -> CheckedIds:
         values = block_ids(ids, what, limit)
         self = super().__new__(cls, values)
-        self.bound = max(values) + 1 if values else 0
-        self.unique = len(set(values)) == len(values)
+        bound = max(values) + 1 if values else 0
+        self.__dict__["_checked"] = (_SEAL, bound, len(set(values)) == len(values))
         return self
+
+    def _sealed(self) -> tuple[object, int, bool] | None:
+        checked = self.__dict__.get("_checked")
+        return checked if checked is not None and checked[0] is _SEAL else None
+
+    @property
+    def bound(self) -> int:
+        checked = self._sealed()
+        return checked[1] if checked is not None else 0
+
+    @property
+    def unique(self) -> bool:
+        checked = self._sealed()
+        return checked[2] if checked is not None else False
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("CheckedIds is immutable")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("CheckedIds is immutable")
+
+    def __reduce__(self) -> tuple[type[tuple[int, ...]], tuple[tuple[int, ...]]]:
+        return tuple, (tuple(self),)
 
 
 def block_ids(ids: BlockIds, what: str, limit: int) -> list[int]:
@@ -309,7 +334,7 @@ def block_ids(ids: BlockIds, what: str, limit: int) -> list[int]:
     Returns a copy as a plain list (the caller may reuse its buffer at once). Plain Python
     keeps a small transfer's submission to a few microseconds; a torch op on a CPU tensor
     costs several."""
-    if type(ids) is CheckedIds:
+    if type(ids) is CheckedIds and ids._sealed() is not None:
         if ids.bound > limit:
             raise InvalidTransferError(f"{what} holds {ids.bound - 1}, outside [0, {limit})")
         return list(ids)

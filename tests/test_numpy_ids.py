@@ -3,6 +3,8 @@ lists of ints (the same checks, the same copy); other dtypes and shapes are refu
 
 from __future__ import annotations
 
+import copy
+import pickle
 from typing import Any
 
 import numpy as np
@@ -74,3 +76,26 @@ def test_checked_ids_are_checked_once_and_keep_their_bound() -> None:
     assert (CheckedIds([], "x", 4).bound, block_ids(CheckedIds([], "x", 4), "x", 0)) == (0, [])
     with pytest.raises(InvalidTransferError, match="outside"):
         CheckedIds([0, 4], "x", 4)
+
+
+def test_checked_ids_cannot_be_forged_or_edited() -> None:
+    """Only the constructor's check is trusted (review: bound and unique could be set,
+    and ``tuple.__new__`` skipped the check, so -1 or an id past the end got through)."""
+    ids = CheckedIds([1, 2], "x", 4)
+    for name, value in (("bound", 0), ("unique", True), ("_checked", None), ("other", 1)):
+        with pytest.raises(AttributeError):
+            setattr(ids, name, value)
+    with pytest.raises(AttributeError):
+        del ids.bound
+    forged = tuple.__new__(CheckedIds, [-1, 7])  # never checked
+    assert (forged.bound, forged.unique) == (0, False)
+    with pytest.raises(InvalidTransferError, match="-1"):
+        block_ids(forged, "cpu_block_ids", 8)
+    with pytest.raises(InvalidTransferError, match="must hold ints"):
+        block_ids(tuple.__new__(CheckedIds, [0, "x"]), "cpu_block_ids", 8)
+
+
+def test_a_copied_or_pickled_checked_ids_is_a_plain_tuple() -> None:
+    ids = CheckedIds([3, 1], "x", 4)
+    for twin in (pickle.loads(pickle.dumps(ids)), copy.deepcopy(ids), copy.copy(ids)):
+        assert type(twin) is tuple and twin == (3, 1)

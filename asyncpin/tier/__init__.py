@@ -394,7 +394,6 @@ class KVTier:
         # Checked once for every group (a 2048-block group took 0.3 ms to check).
         gpu_ids = CheckedIds(gpu, "gpu_block_ids", self._num_blocks)
         host = self.index.begin_load(keys)
-        host_ids = CheckedIds(host, "cpu_block_ids", self.manager.num_host_blocks)
         transfers: list[Transfer] = []
         left = [0]
 
@@ -404,6 +403,7 @@ class KVTier:
                 self.index.end_load(keys, host)
 
         try:
+            host_ids = CheckedIds(host, "cpu_block_ids", self.manager.num_host_blocks)
             for group in ranges:
                 try:
                     transfers.append(
