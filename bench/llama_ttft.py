@@ -15,11 +15,16 @@ device idle to the first greedy token on the host, CUDA-synchronised), median of
 - ``host_layerwise``: lookup, load the prefix into fresh pool blocks one transfer per layer
   (``KVTier.load_layers``); layer i waits for its own load only, then gathers its blocks;
 - ``host_whole``: the same with one load of every layer (layer 0 waits for all of it);
-- ``kept``: the prefix never left the GPU: gather the pool blocks, prefill the suffix.
+- ``kept``: the prefix never left the GPU: gather the pool blocks, prefill the suffix;
+- ``remote`` (with ``--redis-url``): the host tier cleared (untimed), then
+  ``tier.lookup_remote`` and ``tier.restore`` bring the prefix back from that server.
 
-The check: each way generates ``--new-tokens`` greedy tokens once; both host ways must give
-the kept way's tokens, and the restored blocks must equal the kept ones bit for bit (exit
-status 1 otherwise). Whether a full prefill gives the same tokens is reported only. Uses
+The check: each way generates ``--new-tokens`` greedy tokens once, the kept way twice. Every
+hit way must restore every prefix block bit for bit, its forward must read the prefix the
+kept way read (``prefix_digest``: a block read before its load landed changes it), and
+its tokens must be the kept way's, unless the kept way itself decoded other tokens the
+second time ("noise": the decode is not deterministic there); exit status 1 otherwise.
+Whether a full prefill gives the same tokens is reported only. Uses
 ``examples/llama_prefix.py`` (its engine: a paged pool ``[blocks, 8, 16, 128]`` per layer's
 K and V).
 """
@@ -27,16 +32,11 @@ K and V).
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any
-
-# cuBLAS on several streams is deterministic only with a fixed workspace: without it two
-# runs of the same greedy decode may pick other tokens (read before CUDA starts).
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import anyio
 import torch
@@ -56,6 +56,7 @@ from examples.llama_prefix import (
     default_dtype,
     llama_config,
     prefill_and_offload,
+    prefix_digest,
     prefix_hashes,
     same_bytes,
     serve,
@@ -73,7 +74,9 @@ def _prompts(vocab: int, tokens: int, suffix: int, seed: int) -> tuple[list[int]
     return first[:tokens], first[:tokens] + second
 
 
-async def _serve_remote(engine: PrefixEngine, tier: KVTier, prompt: list[int], new: int) -> Served:
+async def _serve_remote(
+    engine: PrefixEngine, tier: KVTier, prompt: list[int], new: int, digest: bool
+) -> Served:
     """The prefix only in the remote tier (the host tier cleared first, untimed):
     ``tier.lookup_remote`` finds it, ``tier.restore`` fetches it into host blocks, checks it
     and loads it; then the suffix is prefilled as for a host hit. TTFT from the lookup."""
@@ -84,37 +87,45 @@ async def _serve_remote(engine: PrefixEngine, tier: KVTier, prompt: list[int], n
     t0 = time.perf_counter()
     # As an engine schedules: how many leading blocks the tiers have, then pool blocks.
     ids = engine.allocate(await tier.lookup_remote(hashes))
-    try:
-        n = await tier.restore(hashes[: len(ids)], ids)
-    except BaseException:
-        engine.free(ids)
-        raise
+    # Not given back to the pool if restore fails: its load may still be writing them.
+    n = await tier.restore(hashes[: len(ids)], ids)
     engine.free(ids[n:])
     served = Served(tokens=[], ttft_s=0.0, hit_blocks=n, block_ids=ids[:n], load_api="restore")
     served.loaded_bytes = n * tier.manager.kv_layout.host_block_bytes  # type: ignore[union-attr]
     cache, keys, values = engine.prefix_cache(n * bs)
     with engine.restoring(engine.index_of(ids[:n]), keys, values):
         first = int(engine.forward(prompt[n * bs :], cache).argmax())
-    del keys, values
     served.ttft_s = time.perf_counter() - t0
+    if digest:
+        served.prefix_digest = prefix_digest(keys, values)
+    del keys, values
     served.tokens = engine.decode(first, cache, new - 1)
     return served
 
 
 async def _serve(
-    engine: PrefixEngine, tier: KVTier, prompt: list[int], way: str, new: int
+    engine: PrefixEngine, tier: KVTier, prompt: list[int], way: str, new: int, digest: bool = False
 ) -> Served:
     if way == "remote":
-        return await _serve_remote(engine, tier, prompt, new)
+        return await _serve_remote(engine, tier, prompt, new, digest)
     if way.startswith("host"):
-        served = await serve(
-            engine, tier, prompt, mode="host", layerwise=way == "host_layerwise", new_tokens=new
+        return await serve(
+            engine,
+            tier,
+            prompt,
+            mode="host",
+            layerwise=way == "host_layerwise",
+            new_tokens=new,
+            digest=digest,
         )
-    else:
-        served = await serve(
-            engine, tier, prompt, mode="full" if way == "full" else "kept", new_tokens=new
-        )
-    return served
+    return await serve(
+        engine,
+        tier,
+        prompt,
+        mode="full" if way == "full" else "kept",
+        new_tokens=new,
+        digest=digest,
+    )
 
 
 async def measure_size(
@@ -151,9 +162,12 @@ async def measure_size(
     tokens_of: dict[str, list[int]] = {}
     identical = True
     # "kept" twice: whether the decode itself is deterministic here (the check's noise).
+    read: dict[str, list[int] | None] = {}
     for way in (*ways, "kept_again"):
-        served = await _serve(engine, tier, prompt, way.removesuffix("_again"), new_tokens)
+        served = await _serve(engine, tier, prompt, way.removesuffix("_again"), new_tokens, True)
         tokens_of[way] = served.tokens
+        read[way] = served.prefix_digest
+        identical &= way == "full" or served.hit_blocks == len(hashes)
         if way.startswith("host") or way == "remote":
             restored = engine.read_blocks(served.block_ids)
             identical &= all(
@@ -191,6 +205,10 @@ async def measure_size(
             if way.startswith("host") or way == "remote"
         },
         "kept_deterministic": tokens_of["kept_again"] == tokens_of["kept"],
+        # What each hit way's forward read of the prefix, against the kept way's.
+        "prefix_read_identical": {
+            way: read[way] == read["kept"] for way in ways if way not in ("full", "kept")
+        },
         "kv_bit_identical": identical,
         "full_prefill_match": tokens_of["full"] == tokens_of["kept"],
     }
@@ -251,10 +269,11 @@ async def bench(args: Any, device: torch.device) -> dict[str, Any]:
 
 
 def _check(row: dict[str, Any]) -> str:
-    """ "same": restored KV bit-identical and every hit way's tokens those of the kept way;
-    "noise": the KV is identical but the kept way itself decoded other tokens when run
-    again (no token check can hold here); "DIFFER" otherwise."""
-    if not row["kv_bit_identical"]:
+    """ "same": every hit restored all the prefix's blocks bit for bit, its forward read the
+    prefix the kept way read, and decoded the kept way's tokens; "noise": all that but the
+    tokens, where the kept way itself decoded other tokens when run again (no token check
+    can hold there); "DIFFER" otherwise (the exit status is then 1)."""
+    if not row["kv_bit_identical"] or not all(row["prefix_read_identical"].values()):
         return "DIFFER"
     if all(row["tokens_match"].values()):
         return "same"

@@ -363,6 +363,9 @@ class Served:
     load_api: str | None = None
     load_transfers: int = 0
     loaded_bytes: int = 0
+    #: With ``serve(..., digest=True)``: per layer, a sum over the prefix K and V the
+    #: forward read (zeros, or a block not yet loaded, would change it).
+    prefix_digest: list[int] | None = None
 
 
 async def prefill_and_offload(
@@ -398,6 +401,15 @@ def _start_load(
     return transfer, [transfer], "load"
 
 
+def prefix_digest(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> list[int]:
+    """Per layer, the wrapping int64 sum of the K and V tensors' 16-bit words: equal for
+    equal bytes, and changed by a block read before its load landed."""
+    return [
+        int(k.view(torch.int16).sum(dtype=torch.int64) + v.view(torch.int16).sum(dtype=torch.int64))
+        for k, v in zip(keys, values, strict=True)
+    ]
+
+
 async def serve(
     engine: PrefixEngine,
     tier: KVTier | None,
@@ -406,6 +418,7 @@ async def serve(
     mode: Mode,
     layerwise: bool = True,
     new_tokens: int = 1,
+    digest: bool = False,
 ) -> Served:
     """Serve ``prompt``: greedy ``new_tokens`` tokens; TTFT is from the start (the device
     idle, the prompt's block hashes computed) to the first token on the host.
@@ -415,7 +428,8 @@ async def serve(
     - ``host``: the leading blocks found by ``tier.lookup`` are loaded into fresh pool
       blocks (``Served.block_ids``, the caller frees them), then not prefilled.
 
-    At least the last token is always prefilled (its logits are the first token's)."""
+    At least the last token is always prefilled (its logits are the first token's).
+    ``digest``: ``Served.prefix_digest`` of the prefix the forward read (not timed)."""
     bs = engine.block_size
     # An engine hashes a prompt's blocks as it takes the request in, before scheduling it.
     hashes = prefix_hashes(prompt, bs)[: (len(prompt) - 1) // bs]
@@ -458,6 +472,8 @@ async def serve(
                     events = [events[0], *([None] * (engine.num_layers - 1))]
             with engine.restoring(index, keys, values, events):
                 first = int(engine.forward(prompt[n * bs :], cache).argmax())
+            if digest:  # after the first token: not in the TTFT
+                served.prefix_digest = prefix_digest(keys, values)
         except BaseException:
             if load is not None:  # no block goes back to the pool while a load writes it
                 with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
