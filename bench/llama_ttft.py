@@ -20,11 +20,11 @@ device idle to the first greedy token on the host, CUDA-synchronised), median of
   ``tier.lookup_remote`` and ``tier.restore`` bring the prefix back from that server.
 
 The check: each way generates ``--new-tokens`` greedy tokens once, the kept way twice. Every
-hit way must restore every prefix block bit for bit, its forward must read the prefix the
-kept way read (``prefix_digest``: a block read before its load landed changes it), and
-its tokens must be the kept way's, unless the kept way itself decoded other tokens the
-second time ("noise": the decode is not deterministic there); exit status 1 otherwise.
-Whether a full prefill gives the same tokens is reported only. Uses
+hit way must restore every prefix block bit for bit and its forward must read the prefix
+the kept way read (``prefix_digest``: a block read before its load landed changes it);
+exit status 1 otherwise. Whether the tokens equal the kept way's (and the kept way's own
+second run) is reported: on the H200 the same cache decodes to one of a few token
+sequences whatever the way, so tokens alone prove nothing there. Uses
 ``examples/llama_prefix.py`` (its engine: a paged pool ``[blocks, 8, 16, 128]`` per layer's
 K and V).
 """
@@ -270,14 +270,12 @@ async def bench(args: Any, device: torch.device) -> dict[str, Any]:
 
 def _check(row: dict[str, Any]) -> str:
     """ "same": every hit restored all the prefix's blocks bit for bit, its forward read the
-    prefix the kept way read, and decoded the kept way's tokens; "noise": all that but the
-    tokens, where the kept way itself decoded other tokens when run again (no token check
-    can hold there); "DIFFER" otherwise (the exit status is then 1)."""
+    prefix the kept way read, and it decoded the kept way's tokens; "KV same, decode
+    differs": all that but the tokens (the H200 decodes the same cache to one of a few
+    token sequences, whatever the way: run 69); "DIFFER" otherwise (exit status 1)."""
     if not row["kv_bit_identical"] or not all(row["prefix_read_identical"].values()):
         return "DIFFER"
-    if all(row["tokens_match"].values()):
-        return "same"
-    return "DIFFER" if row["kept_deterministic"] else "noise"
+    return "same" if all(row["tokens_match"].values()) else "KV same, decode differs"
 
 
 def _table(doc: dict[str, Any]) -> None:

@@ -47,6 +47,7 @@ def _check(result: dict[str, Any], *, prompt: int, block_size: int, layerwise: b
     blocks = prompt // block_size
     assert result["tokens_match"], result["tokens"]
     assert result["kv_bit_identical"]
+    assert result["prefix_read_identical"]
     assert result["prefix_blocks"] == blocks
     assert result["hit_blocks"] == blocks and result["kept_blocks"] == blocks
     assert len(result["tokens"]["restored"]) == result["new_tokens"]

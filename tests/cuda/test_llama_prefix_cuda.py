@@ -42,6 +42,7 @@ def _check(result: dict[str, Any], *, layerwise: bool) -> None:
     assert result["device"].startswith("cuda") and result["dtype"] == "bfloat16"
     assert result["tokens_match"], result["tokens"]
     assert result["kv_bit_identical"]
+    assert result["prefix_read_identical"]
     assert result["hit_blocks"] == result["prefix_blocks"]
     assert result["load_api"] == ("load_layers" if layerwise else "load")
     released = result["released"]
