@@ -50,11 +50,13 @@ async def remote_tier(
     cluster: bool = False,
     model: str = "m",
     timeout_s: float = 2.0,
+    store: RedisStore | None = None,
+    host_blocks: int = HOST_BLOCKS,
     **kwargs: Any,
 ) -> AsyncIterator[tuple[KVTier, KVLayout]]:
     layout = layout if layout is not None else make_layout()
-    store = RedisStore(url, cluster=cluster, timeout_s=timeout_s)
-    async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+    store = store if store is not None else RedisStore(url, cluster=cluster, timeout_s=timeout_s)
+    async with OffloadManager.for_kv(layout, host_blocks, backend=FakeBackend()) as mgr:
         await mgr.pinned
         async with KVTier(
             mgr, remote=store, model=model, namespace=keyspace.rstrip(":"), **kwargs
@@ -452,31 +454,31 @@ async def test_the_next_part_is_read_while_a_part_goes_into_host_blocks(
                 second_read.set()
             return await super().get(keys)
 
-    layout = make_layout()
+    store = Recording(redis_server.url, timeout_s=2.0)
     with anyio.fail_after(TIMEOUT_S):
-        async with OffloadManager.for_kv(layout, BLOCKS, backend=FakeBackend()) as mgr:
-            await mgr.pinned
-            store = Recording(redis_server.url, timeout_s=2.0)
-            async with KVTier(mgr, remote=store, namespace=redis_keyspace.rstrip(":")) as tier:
-                hashes = list(range(600, 630))
-                kept = await stored_and_forgotten(tier, layout, hashes)
-                for raw in layout.byte_arrays():
-                    raw.zero_()
-                copy_in = tier._into_host
-                copied: list[int] = []
+        async with remote_tier("", redis_keyspace, store=store, host_blocks=BLOCKS) as (
+            tier,
+            layout,
+        ):
+            hashes = list(range(600, 630))
+            kept = await stored_and_forgotten(tier, layout, hashes)
+            for raw in layout.byte_arrays():
+                raw.zero_()
+            copy_in = tier._into_host
+            copied: list[int] = []
 
-                async def held_copy(keys: Any, payloads: Any, remote: Any) -> Any:
-                    if not copied:
-                        with anyio.fail_after(5):
-                            await second_read.wait()
-                    copied.append(len(keys))
-                    return await copy_in(keys, payloads, remote)
+            async def held_copy(keys: Any, payloads: Any, remote: Any) -> Any:
+                if not copied:
+                    with anyio.fail_after(5):
+                        await second_read.wait()
+                copied.append(len(keys))
+                return await copy_in(keys, payloads, remote)
 
-                tier._into_host = held_copy  # type: ignore[method-assign]
-                assert await tier.restore(hashes, list(range(30))) == 30
-                assert (reads, copied) == ([16, 14], [16, 14])
-                assert same(layout, list(range(30)), kept)
-                await nothing_held(tier)
+            tier._into_host = held_copy  # type: ignore[method-assign]
+            assert await tier.restore(hashes, list(range(30))) == 30
+            assert (reads, copied) == ([16, 14], [16, 14])
+            assert same(layout, list(range(30)), kept)
+            await nothing_held(tier)
 
 
 async def test_a_fetched_part_is_kept_from_eviction_until_the_load(
@@ -486,25 +488,24 @@ async def test_a_fetched_part_is_kept_from_eviction_until_the_load(
     blocks fetches the first part into the free half, and the second part must not evict
     it (each part is stored on its own; without the hold the second evicted the first and
     the restore found nothing): it is skipped for want of room, the first restored."""
-    layout = make_layout()
     with anyio.fail_after(TIMEOUT_S):
-        async with OffloadManager.for_kv(layout, BLOCKS, backend=FakeBackend()) as mgr:
-            await mgr.pinned
-            store = RedisStore(redis_server.url, timeout_s=2.0)
-            async with KVTier(mgr, remote=store, namespace=redis_keyspace.rstrip(":")) as tier:
-                hashes = list(range(700, 700 + BLOCKS))
-                kept = await stored_and_forgotten(tier, layout, hashes)
-                others = list(range(900, 916))
-                await tier.store(others, list(range(16))).transfer
-                held = tier.index.begin_load(others)  # another load under way
-                try:
-                    for raw in layout.byte_arrays():
-                        raw.zero_()
-                    assert await tier.restore(hashes, list(range(BLOCKS))) == 16
-                    assert same(layout, list(range(16)), [k[:16] for k in kept])
-                finally:
-                    tier.index.end_load(others, held)
-                await nothing_held(tier)
+        async with remote_tier(redis_server.url, redis_keyspace, host_blocks=BLOCKS) as (
+            tier,
+            layout,
+        ):
+            hashes = list(range(700, 700 + BLOCKS))
+            kept = await stored_and_forgotten(tier, layout, hashes)
+            others = list(range(900, 916))
+            await tier.store(others, list(range(16))).transfer
+            held = tier.index.begin_load(others)  # another load under way
+            try:
+                for raw in layout.byte_arrays():
+                    raw.zero_()
+                assert await tier.restore(hashes, list(range(BLOCKS))) == 16
+                assert same(layout, list(range(16)), [k[:16] for k in kept])
+            finally:
+                tier.index.end_load(others, held)
+            await nothing_held(tier)
 
 
 async def nothing_held(tier: KVTier) -> None:
@@ -519,26 +520,25 @@ async def test_a_failed_copy_into_host_blocks_is_raised_as_itself(
 ) -> None:
     """The copy of the second part fails: restore raises that error (not a task group's
     exception group), and the first part, copied in and held, is let go."""
-    layout = make_layout()
     with anyio.fail_after(TIMEOUT_S):
-        async with OffloadManager.for_kv(layout, BLOCKS, backend=FakeBackend()) as mgr:
-            await mgr.pinned
-            store = RedisStore(redis_server.url, timeout_s=2.0)
-            async with KVTier(mgr, remote=store, namespace=redis_keyspace.rstrip(":")) as tier:
-                hashes = list(range(800, 830))
-                await stored_and_forgotten(tier, layout, hashes)
-                copy_in = tier._into_host
-                calls: list[int] = []
+        async with remote_tier(redis_server.url, redis_keyspace, host_blocks=BLOCKS) as (
+            tier,
+            layout,
+        ):
+            hashes = list(range(800, 830))
+            await stored_and_forgotten(tier, layout, hashes)
+            copy_in = tier._into_host
+            calls: list[int] = []
 
-                async def failing(keys: Any, payloads: Any, remote: Any) -> Any:
-                    calls.append(len(keys))
-                    if len(calls) == 2:
-                        raise OSError("no copy")
-                    return await copy_in(keys, payloads, remote)
+            async def failing(keys: Any, payloads: Any, remote: Any) -> Any:
+                calls.append(len(keys))
+                if len(calls) == 2:
+                    raise OSError("no copy")
+                return await copy_in(keys, payloads, remote)
 
-                tier._into_host = failing  # type: ignore[method-assign]
-                with pytest.raises(OSError, match="no copy"):
-                    await tier.restore(hashes, list(range(30)))
-                assert calls == [16, 14]
-                assert tier.lookup(hashes) == 16  # the first part is on the host
-                await nothing_held(tier)
+            tier._into_host = failing  # type: ignore[method-assign]
+            with pytest.raises(OSError, match="no copy"):
+                await tier.restore(hashes, list(range(30)))
+            assert calls == [16, 14]
+            assert tier.lookup(hashes) == 16  # the first part is on the host
+            await nothing_held(tier)
