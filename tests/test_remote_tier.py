@@ -456,7 +456,9 @@ async def test_the_next_part_is_read_while_a_part_goes_into_host_blocks(
 
     store = Recording(redis_server.url, timeout_s=2.0)
     with anyio.fail_after(TIMEOUT_S):
-        async with remote_tier("", redis_keyspace, store=store, host_blocks=BLOCKS) as (
+        async with remote_tier(
+            redis_server.url, redis_keyspace, store=store, host_blocks=BLOCKS
+        ) as (
             tier,
             layout,
         ):
