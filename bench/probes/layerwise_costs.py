@@ -13,7 +13,7 @@ import pstats
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 
@@ -22,12 +22,13 @@ import torch
 
 from asyncpin import KVLayout, OffloadManager
 from asyncpin.tier import KVTier
+from asyncpin.transfers import Method
 from bench._common import median, parser, quiet_logs, write_json
 
 LAYERS = 32
 
 
-async def main(json_out: str | None) -> None:
+async def main(json_out: Path | None) -> None:
     quiet_logs()
     blocks = 2048
     kv = [
@@ -57,7 +58,7 @@ async def main(json_out: str | None) -> None:
                         handle: Any = tier.load(hashes, dest)
                         events = [handle.event]
                     else:
-                        handle = tier.load_layers(hashes, dest, method=way)
+                        handle = tier.load_layers(hashes, dest, method=cast(Method, way))
                         events = [t.event for t in handle.transfers]
                     cpu.append(time.perf_counter() - t0)
                     marks = []
