@@ -544,3 +544,29 @@ async def test_a_failed_copy_into_host_blocks_is_raised_as_itself(
             assert calls == [16, 14]
             assert tier.lookup(hashes) == 16  # the first part is on the host
             await nothing_held(tier)
+
+
+async def test_writes_go_out_in_pipelines_of_four(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """The writer sends at most 4 blocks a pipeline (8 MiB of a Llama-8B layout, not 32):
+    on the dev machine, pipelines of 16 wrote half as fast."""
+    sizes: list[int] = []
+
+    class Recording(RedisStore):
+        async def put(self, items: Any) -> None:
+            sizes.append(len(items))
+            await super().put(items)
+
+    store = Recording(redis_server.url, timeout_s=2.0)
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(
+            redis_server.url, redis_keyspace, store=store, host_blocks=BLOCKS
+        ) as (
+            tier,
+            _,
+        ):
+            await tier.store(list(range(10)), list(range(10))).transfer
+            await tier.remote_written()
+            assert sum(sizes) == 10 and max(sizes) <= 4, sizes
+            assert len(sizes) >= 3
