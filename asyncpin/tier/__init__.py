@@ -588,8 +588,12 @@ class KVTier:
         by_hash = dict(zip(keys, payloads, strict=True))
 
         def copy_in() -> None:
+            import numpy as np  # with torch's .numpy(): see the module docstring
+
+            # NumPy's copy lets go of the GIL (a memoryview's slice assignment holds it
+            # for every byte): the event loop's thread is not kept waiting meanwhile.
             for h, block in zip(plan.hashes, plan.host_blocks, strict=True):
-                rows[block].numpy().data[:] = by_hash[h]
+                np.copyto(rows[block].numpy(), np.frombuffer(by_hash[h], dtype=np.uint8))
 
         ok = False
         try:

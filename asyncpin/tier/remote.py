@@ -455,10 +455,16 @@ class RemoteLink:
         def copy_out() -> list[tuple[str, Sequence[bytes | memoryview]]]:
             # One copy per block: the host block into the value, after its header.
             items: list[tuple[str, Sequence[bytes | memoryview]]] = []
+            import numpy as np  # the host blocks are read through torch's .numpy()
+
             for block_hash, block in held:
                 value = memoryview(bytearray(HEADER_BYTES + self.nbytes))
                 payload = value[HEADER_BYTES:]
-                payload[:] = read_block(block)
+                # NumPy's copy lets go of the GIL; a memoryview's slice assignment holds it.
+                np.copyto(
+                    np.frombuffer(payload, dtype=np.uint8),
+                    np.frombuffer(read_block(block), dtype=np.uint8),
+                )
                 value[:HEADER_BYTES] = encode_header(payload, self.print_, hash_digest(block_hash))
                 items.append((self.key_of(block_hash), (value,)))
             return items
