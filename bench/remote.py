@@ -420,6 +420,8 @@ def main() -> int:
         "host_block_bytes": 64 * TOKENS * HEADS * HEAD_DIM * 2,
         "repeats": repeats,
         "redis_py": redis.__version__,
+        # redis-py parses replies with hiredis when it is installed.
+        "hiredis": _hiredis_version(),
         "cpu_model": _cpu_model(),
         "results": results,
         "machine": machine(),
@@ -428,6 +430,14 @@ def main() -> int:
     sys.stderr.flush()
     print_table(doc)
     return 0
+
+
+def _hiredis_version() -> str | None:
+    try:
+        import hiredis  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return str(hiredis.__version__)
 
 
 def _cpu_model() -> str:
