@@ -294,6 +294,42 @@ class TestLayerStores:
                 await fresh
                 assert tier.lookup([2]) == 0
 
+    async def test_a_store_in_a_block_never_outlives_it(self) -> None:
+        """``async with tier.store_layers(...)``: a body that raises, is cancelled or
+        skips a group aborts the store (its host blocks come back once the copies
+        queued are over); one that queues every group ends with the blocks loadable."""
+        layout = build("joined", BLOCKS, "cpu")  # 2 groups
+        with anyio.fail_after(TIMEOUT_S):
+            async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+                await mgr.pinned
+                tier = KVTier(mgr)
+
+                def all_free() -> bool:
+                    return len(tier.index) == 0 and tier.index.stats().free_blocks == HOST_BLOCKS
+
+                with pytest.raises(ValueError, match="prefill failed"):
+                    async with tier.store_layers([1, 2], [0, 1]) as store:
+                        first = store.store_group(0)
+                        raise ValueError("prefill failed")
+                await first
+                assert all_free()
+                with anyio.CancelScope() as scope:
+                    async with tier.store_layers([1, 2], [0, 1]) as store:
+                        first = store.store_group(0)
+                        scope.cancel()
+                        await anyio.sleep_forever()
+                await first
+                assert all_free()
+                async with tier.store_layers([1, 2], [0, 1]) as store:
+                    first = store.store_group(1)  # group 0 never queued
+                await first
+                assert all_free() and tier.lookup([1]) == 0
+                async with tier.store_layers([1, 2], [0, 1]) as store:
+                    store.store_group(0)
+                    store.store_group(1)
+                assert store.transfers[1] is not None and store.transfers[1].done()
+                assert tier.lookup([1, 2]) == 2
+
 
 class TestRefusedLayouts:
     """Tensors whose bytes are not their values, and arrays that overlap, are refused."""

@@ -117,7 +117,12 @@ class LayerStore:
     ``abort()`` (the request went away), frees them once the copies queued are over.
 
     ``await store`` waits for every group's copy (raising the first failure); it raises
-    RuntimeError, waiting for nothing, while a group is neither queued nor aborted."""
+    RuntimeError, waiting for nothing, while a group is neither queued nor aborted.
+
+    ``async with tier.store_layers(...) as store:`` aborts the store when the block ends
+    with a group not queued (the body raised, was cancelled, or skipped one), so a
+    request that goes away never holds its host blocks; a block that ends normally then
+    waits for the copies."""
 
     def __init__(
         self,
@@ -203,6 +208,19 @@ class LayerStore:
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()
+
+    async def __aenter__(self) -> LayerStore:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.abort()  # nothing when every group is queued
+        if exc_type is None:
+            await self.wait()
 
 
 class KVTier:
