@@ -253,8 +253,10 @@ async def client_tier(
             flush_timeout_s=FLUSH_S,
         )
         async with tier:
-            yield tier, layout, leaving
-            start = anyio.current_time()
+            try:
+                yield tier, layout, leaving
+            finally:  # set whatever ends the body (an unbound name hid the real error)
+                start = anyio.current_time()
         leaving.seconds = anyio.current_time() - start
 
 

@@ -569,9 +569,15 @@ class KVTier:
             prefix = self.index.begin_load(keys[:n], touch=False)
             # Fetched parts, each kept from eviction from its copy in to the load.
             held: list[tuple[list[BlockHash], list[int]]] = []
+            # Blocks leave a held run only by remove or clear: once one did, or a part
+            # found no room for all its blocks, the run is broken and no more is fetched
+            # (storing it would evict others' blocks for nothing).
+            removed = self.index.stats().removed_blocks
 
-            async def into(part: Sequence[BlockHash], payloads: list[memoryview]) -> None:
-                held.append(await self._into_host(list(part), payloads, remote))
+            async def into(part: Sequence[BlockHash], payloads: list[memoryview]) -> bool:
+                ready, blocks = await self._into_host(list(part), payloads, remote)
+                held.append((ready, blocks))
+                return len(ready) == len(part) and self.index.stats().removed_blocks == removed
 
             try:
                 end = n

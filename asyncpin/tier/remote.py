@@ -531,8 +531,9 @@ class RemoteLink:
         one bounded by the store's timeout, whatever the run's length."""
         payloads: list[memoryview] = []
 
-        async def keep(_: Sequence[int | bytes], got: list[memoryview]) -> None:
+        async def keep(_: Sequence[int | bytes], got: list[memoryview]) -> bool:
             payloads.extend(got)
+            return True
 
         await self.fetch_into(hashes, keep)
         return payloads
@@ -540,27 +541,27 @@ class RemoteLink:
     async def fetch_into(
         self,
         hashes: Sequence[int | bytes],
-        into: Callable[[Sequence[int | bytes], list[memoryview]], Awaitable[None]],
+        into: Callable[[Sequence[int | bytes], list[memoryview]], Awaitable[bool]],
     ) -> int:
         """``fetch``, handing each pipeline's checked payloads to ``into`` (with their
         hashes) as they come, while the next pipeline is read and checked: a read overlaps
-        the previous part's copy, and at most three parts are in memory. Returns the
-        blocks handed over. ``into`` raising ends the fetch with its exception."""
-        found = 0
+        the previous part's copy, and at most three parts are in memory. ``into`` returns
+        whether to go on (False: the run is broken, read no more). Returns the blocks
+        handed over. An exception of ``into`` (or else of the reader) ends the fetch and
+        is raised as itself; blocks never asked of the server are not counted."""
+        asked = found = 0
         send, receive = anyio.create_memory_object_stream[
             tuple[Sequence[int | bytes], list[memoryview]]
         ](1)
-
-        # The first exception of the reader or of ``into`` ends both and is raised as
-        # itself, not in a task group's exception group.
-        failure: list[Exception] = []
+        reader_error: list[Exception] = []
 
         async def read() -> None:
-            nonlocal found
+            nonlocal asked, found
             async with send:
                 try:
                     for lo in range(0, len(hashes), self.batch):
                         part = hashes[lo : lo + self.batch]
+                        asked += len(part)
                         got = await self._fetch_part(part)
                         found += len(got)
                         if got:
@@ -568,25 +569,37 @@ class RemoteLink:
                         if len(got) < len(part):
                             break
                 except Exception as exc:
-                    failure.append(exc)
+                    reader_error.append(exc)
 
         handed = 0
+        into_error: Exception | None = None
         try:
             async with anyio.create_task_group() as tg, receive:
                 tg.start_soon(read)
                 try:
                     async for part, payloads in receive:
-                        await into(part, payloads)
+                        go_on = await into(part, payloads)
                         handed += len(payloads)
+                        del part, payloads  # not kept alive by a traceback
+                        if not go_on:
+                            tg.cancel_scope.cancel()
+                            break
                 except Exception as exc:
-                    failure.append(exc)
+                    into_error = exc
                     tg.cancel_scope.cancel()
-            if failure:
-                raise failure[0]
-        finally:  # a cancelled fetch counts what it found and misses the rest
-            self._counts["lookups"] += len(hashes)
+            error = into_error or (reader_error[0] if reader_error else None)
+            if error is not None:
+                if into_error is not None and reader_error:
+                    into_error.__context__ = reader_error[0]
+                try:
+                    raise error
+                finally:  # the frame holds no exception: no cycle keeps payloads alive
+                    error = into_error = None
+                    reader_error.clear()
+        finally:  # a cancelled fetch counts what it asked for and found
+            self._counts["lookups"] += asked
             self._counts["hit_blocks"] += found
-            self._counts["missed_blocks"] += len(hashes) - found
+            self._counts["missed_blocks"] += asked - found
         return handed
 
     async def _fetch_part(self, hashes: Sequence[int | bytes]) -> list[memoryview]:
