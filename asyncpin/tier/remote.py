@@ -302,7 +302,7 @@ class RemoteLink:
     ``key_of(hash)`` names a block. ``submit(entries)`` queues host blocks to write
     (``entries``: hash, host block; the caller holds each block until ``release`` is
     called for it); a writer task (``run``) copies each block out in a worker thread,
-    releases it, then writes. ``fetch`` reads values and checks them."""
+    releases it, then writes. ``fetch_into`` reads values and checks them."""
 
     def __init__(
         self,
@@ -525,26 +525,15 @@ class RemoteLink:
             n += 1
         return n
 
-    async def fetch(self, hashes: Sequence[int | bytes]) -> list[memoryview]:
-        """The checked payloads of the leading ``hashes`` found valid (a miss, an error
-        or an invalid value ends the run), read in pipelines of ``batch`` blocks: each
-        one bounded by the store's timeout, whatever the run's length."""
-        payloads: list[memoryview] = []
-
-        async def keep(_: Sequence[int | bytes], got: list[memoryview]) -> bool:
-            payloads.extend(got)
-            return True
-
-        await self.fetch_into(hashes, keep)
-        return payloads
-
     async def fetch_into(
         self,
         hashes: Sequence[int | bytes],
         into: Callable[[Sequence[int | bytes], list[memoryview]], Awaitable[bool]],
     ) -> int:
-        """``fetch``, handing each pipeline's checked payloads to ``into`` (with their
-        hashes) as they come, while the next pipeline is read and checked: a read overlaps
+        """The checked payloads of the leading ``hashes`` found valid (a miss, an error
+        or an invalid value ends the run), read in pipelines of ``batch`` blocks, each
+        bounded by the store's timeout, and handed to ``into`` (with their hashes) as
+        they come, while the next pipeline is read and checked: a read overlaps
         the previous part's copy, and at most three parts are in memory. ``into`` returns
         whether to go on (False: the run is broken, read no more). Returns the blocks
         handed over. An exception of ``into`` (or else of the reader) ends the fetch and
