@@ -31,9 +31,12 @@ class Opened:
     """The resources of one open manager. ``open()`` makes them (releasing what it made
     if it fails or is cancelled); ``close_in_order()`` releases them, once."""
 
-    def __init__(self, region: HostRegion, scheduler: PinScheduler) -> None:
+    def __init__(self, region: HostRegion, scheduler: PinScheduler, pinned: PinnedSignal) -> None:
         self.region = region
         self.scheduler = scheduler
+        self.pinned = pinned  # the manager's: pinning done and, for KV, the engine prepared
+        # Settled when the engine's prepare() has returned or failed.
+        self.engine_ready = PinnedSignal()
         self.engine: TransferEngine | None = None
         self.router: TransferRouter | None = None
         self.host_blocks: torch.Tensor | None = None
@@ -53,8 +56,10 @@ class Opened:
         log: Any,
         started_at: float,
     ) -> Opened:
-        """Map the region and make the pipeline; for KV, the engine, prepared in a worker
-        thread (compiling a copy kernel can take a second). Pinning is not started."""
+        """Map the region and make the pipeline; for KV, the engine and its router, and
+        prepare the engine in a worker thread, unless it prepares in the background
+        (``prepare_in_background``: the CUDA engine, whose Triton import, kernel compile
+        and device buffers take up to seconds). Nothing is started (``start()``)."""
         region = _map_region(config, backend, log)
         opened: Opened | None = None
         try:
@@ -80,11 +85,15 @@ class Opened:
                 started_at=started_at,
                 chunk_bytes=chunk_bytes,
             )
-            opened = cls(region, scheduler)
+            opened = cls(region, scheduler, pinned)
             tasks.bind()
             if layout is not None:
                 engine = opened._open_engine(config, layout, chunk_bytes, tasks, observers, log)
-                await anyio.to_thread.run_sync(engine.prepare)
+                if opened.background:
+                    scheduler.pinned = PinnedSignal()  # `pinned` waits for the engine too
+                else:
+                    await anyio.to_thread.run_sync(engine.prepare)
+                    opened._engine_prepared(None)
         except BaseException:  # a cancellation included
             if opened is None:
                 region.release()  # nothing else was made
@@ -121,6 +130,52 @@ class Opened:
             log=log,
         )
         return self.engine
+
+    @property
+    def background(self) -> bool:
+        """Whether the engine is prepared after entry, while pinning goes on."""
+        return bool(getattr(self.engine, "prepare_in_background", False))
+
+    def _engine_prepared(self, error: BaseException | None) -> None:
+        assert self.router is not None
+        self.router.engine_prepared(error)
+        self.engine_ready.resolve(error)
+
+    def start(self, tasks: OwnedTasks, log: Any) -> None:
+        """Start pinning and the engine's preparation in the background, as the manager's
+        tasks; ``pinned`` is settled once both are over (a close leaves it to the
+        manager)."""
+        if self.background:
+            # First: its worker thread starts before pinning holds the memory-map lock.
+            tasks.start_soon(self._prepare_engine, log)
+            tasks.start_soon(self._settle_pinned)
+        tasks.start_soon(self.scheduler.run)
+
+    async def _prepare_engine(self, log: Any) -> None:
+        engine = self.engine
+        assert engine is not None
+        try:
+            # Its own thread slot: the application's default pool may be full.
+            await anyio.to_thread.run_sync(engine.prepare, limiter=anyio.CapacityLimiter(1))
+        except Exception as exc:
+            log.error("engine.prepare_failed", engine=engine.name, error=repr(exc))
+            self._engine_prepared(exc)
+            return
+        except BaseException:  # cancelled by a close: the thread has returned
+            self._engine_prepared(anyio.ClosedResourceError("the manager closed"))
+            raise
+        self._engine_prepared(None)
+
+    async def _settle_pinned(self) -> None:
+        """``pinned``: the pin pipeline's outcome, then the engine's."""
+        try:
+            await self.scheduler.pinned
+            await self.engine_ready
+        except Exception as exc:
+            self.pinned.resolve(exc)
+        else:
+            if not self.scheduler.stopping:  # else a close began: it settles `pinned`
+                self.pinned.resolve()
 
     def stats_fields(self, *, forked: bool) -> dict[str, Any]:
         """The part of ``ManagerStats`` these resources know (in a forked child, none of

@@ -8,6 +8,8 @@ only: it never looks into the pipeline itself.
 
 from __future__ import annotations
 
+import contextlib
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -80,6 +82,11 @@ class TransferRouter:
         self.in_flight: set[Transfer] = set()
         self._idle = anyio.Event()
         self._idle.set()
+        # The engine is prepared in the background (``engine_prepared``): until then, jobs
+        # wait here, in submission order.
+        self._prepared = False
+        self._engine_error: BaseException | None = None
+        self._unprepared: deque[TransferJob] = deque()
 
     async def drained(self) -> None:
         """Returns once no transfer is in flight (their device work is done)."""
@@ -98,6 +105,19 @@ class TransferRouter:
         InvalidTransferError with nothing enqueued."""
         job = self._validated(direction, gpu, cpu, method, arrays)
         transfer = job.transfer
+        if self._engine_error is not None:
+            error = TransferError(
+                f"{direction} refused: the transfer engine could not be set up "
+                f"({self._engine_error!r})",
+                direction=direction,
+            )
+            raise error from self._engine_error
+        if not self._prepared:
+            # The copy waits for what the caller's stream has queued now, as below.
+            job.ready = self.engine.record_ready()
+            self._track(transfer)
+            self._unprepared.append(job)
+            return transfer
         needed = self._table.unpinned(self._spans(job.cpu_ids))
         if needed and self._policy == "wait":
             # A store must not copy blocks before the compute stream has produced them,
@@ -106,6 +126,33 @@ class TransferRouter:
             # (Before tracking: if it raises, nothing is in flight.)
             job.ready = self.engine.record_ready()
         self._track(transfer)
+        self._route(job, needed)
+        return transfer
+
+    def engine_prepared(self, error: BaseException | None) -> None:
+        """On the event loop, once the engine's ``prepare()`` returned (``error`` None) or
+        failed: the jobs that waited go on, in order, or fail with a TransferError."""
+        waiting, self._unprepared = self._unprepared, deque()
+        if error is None:
+            self._prepared = True
+        else:
+            self._engine_error = error
+        for job in waiting:
+            if error is not None:
+                failed = TransferError(
+                    f"{job.transfer.direction} failed: the transfer engine could not be set "
+                    f"up ({error!r})",
+                    direction=job.transfer.direction,
+                )
+                failed.__cause__ = error
+                job.transfer._finish(failed)
+                continue
+            with contextlib.suppress(TransferError):  # reported through the handle
+                self._route(job, self._table.unpinned(self._spans(job.cpu_ids)))
+
+    def _route(self, job: TransferJob, needed: list[int]) -> None:
+        """The unpinned policy, then the engine, for a tracked job whose host chunks
+        ``needed`` are not pinned yet."""
         if not needed:
             self._enqueue(job, pageable=False)
         elif self._policy == "pageable":
@@ -118,7 +165,6 @@ class TransferRouter:
         else:
             self.counts.waited += 1
             self._start_soon(self._enqueue_when_pinned, job, needed)
-        return transfer
 
     def _validated(
         self,

@@ -84,8 +84,12 @@ class TransferEngine(Protocol):
     Contract:
 
     - Made on the event loop from an :class:`EngineSetup`; then ``prepare()`` is called
-      once, in a worker thread, before any other call: it allocates device resources and
-      compiles kernels, so that nothing of it happens mid-serving.
+      once, in a worker thread: it allocates device resources and compiles kernels, so
+      that nothing of it happens mid-serving. No ``submit()`` comes before it has
+      returned; ``methods()`` and ``record_ready()`` may. By default the manager's entry
+      waits for it; an engine whose class sets ``prepare_in_background = True`` is
+      prepared after entry, while pinning goes on: transfers submitted meanwhile wait
+      for it, and ``mgr.pinned`` includes it (its error, if it fails).
     - ``submit(job, pageable=...)`` is called on the event loop thread and never blocks
       it. It either raises, having queued nothing (the job is then not the engine's),
       or takes the job: it sets ``job.transfer.method`` and ``job.transfer.path``

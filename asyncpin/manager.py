@@ -180,7 +180,7 @@ class OffloadManager:
         self._nbytes = opened.region.nbytes
         self._life.opened()
         scheduler = opened.scheduler
-        self._tasks.start_soon(scheduler.run)  # it settles `pinned`, but for a close
+        opened.start(self._tasks, self._log)  # they settle `pinned`, but for a close
         self._seconds_to_enter = time.perf_counter() - t0
         self._log.info(
             "manager.opened",

@@ -9,11 +9,13 @@ cancelled at that moment: close then knows exactly what to unpin.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -47,6 +49,28 @@ class PinnedSignal(Outcome):
 
     def resolve(self, error: BaseException | None = None) -> None:
         self._settle(error)
+
+
+async def _start_threads(count: int) -> None:
+    """Have ``count`` worker threads in the pool before the pipeline starts, so that it
+    starts none while it runs: starting a thread maps its stack, which waits for the
+    process's memory-map lock, and faulting and pinning hold that lock nearly all the
+    time (an event loop that started a thread meanwhile stalled 25 ms on the H200).
+    The threads meet at a barrier, so each call gets a thread of its own; they go back
+    to the pool idle, where the pipeline's calls find them."""
+    barrier = threading.Barrier(count)
+
+    def meet() -> None:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            barrier.wait(timeout=_THREAD_START_S)
+
+    limiter = anyio.CapacityLimiter(count)
+    async with anyio.create_task_group() as tg:
+        for _ in range(count):
+            tg.start_soon(partial(anyio.to_thread.run_sync, meet, limiter=limiter))
+
+
+_THREAD_START_S = 5.0
 
 
 class PinScheduler:
@@ -133,6 +157,7 @@ class PinScheduler:
             send, receive = anyio.create_memory_object_stream[Chunk](math.inf)
             prefault_limiter = anyio.CapacityLimiter(self._prefault_threads)
             pin_limiter = anyio.CapacityLimiter(self._pin_threads)
+            await _start_threads(self._prefault_threads + self._pin_threads)
             async with anyio.create_task_group() as tg, send, receive:
                 for _ in range(self._prefault_threads):
                     tg.start_soon(self._prefault_worker, send.clone(), prefault_limiter)

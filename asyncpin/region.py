@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import gc
 import os
 import weakref
 from collections.abc import Callable
@@ -360,8 +359,9 @@ class HostRegion:
             mapping.keep = [(chunk.offset, chunk.nbytes) for chunk in keep or []]
             mapping.released = True
             del mapping  # unmapped here unless a view holds it
-        if self._mapping_ref() is not None:
-            gc.collect()  # views caught in reference cycles that nothing reaches any more
+        # No gc.collect() for views caught in unreachable cycles: a full collection holds
+        # the GIL (100+ ms in a process with torch loaded), stalling the event loop; the
+        # interpreter's own collections unmap such a range later.
         return self._mapping_ref() is None
 
     def close(self) -> None:

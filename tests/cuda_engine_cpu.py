@@ -44,9 +44,11 @@ def cpu_engine(
     ``kernel`` (None: no Triton). Its threads end on exit."""
     monkeypatch.setattr(ct, "Runtime", lambda: SimpleNamespace())
     monkeypatch.setattr(ct, "load_kernel", lambda: kernel)
+    monkeypatch.setattr(ct, "kernel_importable", lambda: kernel is not None)
     host = torch.zeros(host_blocks, layout.host_block_bytes, dtype=torch.uint8)
     assert host.data_ptr() % 16 == 0  # as the region is (page-aligned)
     engine = CudaTransferEngine(EngineSetup(layout, host, chunk_bytes, start_soon))
+    engine._load()  # what prepare() does without a device
     threads = engine._submitter, engine._completion  # a test may stand others in
     try:
         yield engine

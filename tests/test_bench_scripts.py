@@ -28,6 +28,7 @@ SCRIPTS = [
     "pinning",
     "remote",
     "soak",
+    "startup",
     "tier_index",
     "transfers",
 ]

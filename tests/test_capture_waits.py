@@ -51,6 +51,7 @@ class _Event:
 @pytest.fixture
 def waiter() -> Any:
     w = Waiter("test-waiter")
+    w.start()
     yield w
     w.close()
 

@@ -317,6 +317,22 @@ class TestRelease:
         assert region.closed
         assert "closed" in repr(region)
 
+    def test_release_with_a_view_alive_runs_no_full_collection(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # A close releases the region in a worker thread; a full collection there holds
+        # the GIL for 100+ ms in a process with torch loaded, stalling the event loop.
+        region = HostRegion.create(4 * MIB)
+        view = region.view()
+        address = region.address
+        collections: list[tuple[Any, ...]] = []
+        monkeypatch.setattr("gc.collect", lambda *args: collections.append(args) or 0)
+        assert region.release() is False  # the view holds the range
+        assert collections == []
+        assert is_mapped(address, PAGE)
+        del view
+        assert not is_mapped(address, PAGE)
+
     def test_second_release_does_not_unlink_a_newer_region(self, shm_name: str) -> None:
         first = HostRegion.create(PAGE, backing="shared", name=shm_name)
         first.release()

@@ -56,6 +56,7 @@ class _Hooks(LoopHooks):
 @pytest.fixture
 def completion() -> Iterator[Completion]:
     made = Completion(_Hooks())
+    made.start()
     yield made
     made.close()
 
@@ -247,6 +248,7 @@ async def test_stores_stay_on_the_loop_while_threads_starve(
 
 def test_a_waiter_skips_what_the_loop_has_finished() -> None:
     waiter = Waiter("test-waiter")
+    waiter.start()
     try:
         waited, reported, done = threading.Event(), threading.Event(), threading.Event()
 
@@ -271,6 +273,7 @@ async def _trio_completion() -> AsyncIterator[Completion]:
     """On trio: a completion whose sweep task starts in a task group standing in for the
     manager's (``_task_group``)."""
     completion = Completion(_Hooks())
+    completion.start()
     try:
         yield completion
     finally:
@@ -344,6 +347,7 @@ def test_on_trio_a_raising_callback_is_logged_and_the_task_goes_on() -> None:
 
 def test_a_waiter_outlives_a_report_that_raises() -> None:
     waiter = Waiter("test-waiter")
+    waiter.start()
     try:
         reported = threading.Event()
 

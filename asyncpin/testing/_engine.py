@@ -57,6 +57,9 @@ class FakeEngine:
       reported once its copy is over. A job failed on command is copied all the same (a
       copy that fails part way may have written some bytes) and reported with the
       error, in its turn.
+    - ``background=True``: the manager prepares it after entry, as the CUDA engine
+      (``prepare_in_background``); :meth:`prepare` then waits for :meth:`let_prepare`
+      (from any thread) when ``hold_prepare()`` was called before.
 
     It refuses what the contract forbids of its caller: :meth:`submit` off the event
     loop thread, before :meth:`prepare` or after :meth:`close`, and :meth:`close` while a
@@ -65,8 +68,16 @@ class FakeEngine:
 
     name = "fake"
 
-    def __init__(self, setup: EngineSetup, *, auto: bool = False, copy: bool = False) -> None:
+    def __init__(
+        self,
+        setup: EngineSetup,
+        *,
+        auto: bool = False,
+        copy: bool = False,
+        background: bool = False,
+    ) -> None:
         self.auto = auto
+        self.prepare_in_background = background
         self.copy = copy
         self._start_soon = setup.start_soon
         self._inner = HostTransferEngine(setup) if copy else None
@@ -75,6 +86,7 @@ class FakeEngine:
         self.submitted: list[SubmittedJob] = []
         self.prepared = False
         self.closed = False
+        self._prepare_gate: threading.Event | None = None
         self._held: dict[Direction, deque[SubmittedJob]] = {"store": deque(), "load": deque()}
         self._draining: dict[Direction, bool] = {"store": False, "load": False}
         self._submit_errors: deque[BaseException] = deque()
@@ -124,7 +136,17 @@ class FakeEngine:
     def methods(self) -> tuple[str, ...]:
         return self._inner.methods() if self._inner is not None else ("fake",)
 
+    def hold_prepare(self) -> None:
+        """:meth:`prepare` waits, from now on, until :meth:`let_prepare`."""
+        self._prepare_gate = threading.Event()
+
+    def let_prepare(self) -> None:
+        if self._prepare_gate is not None:
+            self._prepare_gate.set()
+
     def prepare(self) -> None:
+        if self._prepare_gate is not None:
+            self._prepare_gate.wait()
         if self._inner is not None:
             self._inner.prepare()
         self.prepared = True

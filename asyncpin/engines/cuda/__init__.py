@@ -27,7 +27,7 @@ from asyncpin._cudart import Runtime, batch_copy_available
 from asyncpin.abc import EngineSetup
 from asyncpin.engines.cuda.completion import Completion, Submitter, loop_hooks
 from asyncpin.engines.cuda.lanes import Lane
-from asyncpin.engines.cuda.methods import CopyMethods, load_kernel, on_device
+from asyncpin.engines.cuda.methods import CopyMethods, kernel_importable, load_kernel, on_device
 from asyncpin.engines.cuda.plan import (
     BATCH_MIN_BLOCK_BYTES,
     KERNEL_WORD,
@@ -49,6 +49,8 @@ class CudaTransferEngine:
     """Store/load lanes, copy methods and completion waiters for one KV layout."""
 
     name = "cuda"
+    # Prepared after the manager's entry, while pinning goes on: transfers wait for it.
+    prepare_in_background = True
     # Large stores go to the submitter thread (False: every store is queued by the caller).
     thread_stores = True
 
@@ -75,10 +77,9 @@ class CudaTransferEngine:
             host_stride=host_blocks.stride(0),
             region_base=host_blocks.untyped_storage().data_ptr(),
         )
-        kernel = load_kernel()
-        # pack and kernel may be asked for where Triton is; they run as batch on a layout
-        # the copy kernel cannot run on safely (``_choose``).
-        self._kernel_methods = kernel is not None
+        # The copy kernel (Triton: an import of half a second, then a compile) is loaded
+        # by prepare(), in the background; which methods exist is known now.
+        self._kernel_methods = kernel_importable()
         self._misaligned = kernel_misalignment(
             array_ptrs=ptrs,
             array_strides=strides,
@@ -86,18 +87,26 @@ class CudaTransferEngine:
             host_bases=[self._plan.host_base],
             host_stride=self._plan.host_stride,
         )
-        if kernel is not None and self._misaligned is not None:
-            _log.warning("transfer.kernel_disabled", reason=self._misaligned, fallback="batch")
-        self._copies = CopyMethods(
-            self._rt, self._plan, kernel if self._misaligned is None else None
-        )
+        self._copies = CopyMethods(self._rt, self._plan, None)
         self._fallbacks_logged: set[str] = set()
         self._lanes: dict[Direction, Lane] = {}  # made by prepare()
+        # Their threads start in prepare(): starting a thread maps its stack, which waits
+        # for the process's memory-map lock while pinning holds it (tens of ms).
         self._completion = Completion(hooks)
         self._submitter = Submitter(
             "asyncpin-store-submitter", self._enqueue, self._completion.report
         )
         self._num_host_blocks = host_blocks.shape[0]
+
+    def _load(self) -> None:
+        """The part of prepare() that needs no device: the copy kernel imported, the
+        threads started."""
+        kernel = load_kernel()
+        if kernel is not None and self._misaligned is not None:
+            _log.warning("transfer.kernel_disabled", reason=self._misaligned, fallback="batch")
+        self._copies.kernel = kernel if self._misaligned is None else None
+        self._completion.start()
+        self._submitter.start()
 
     def methods(self) -> tuple[str, ...]:
         """The methods a transfer may ask for: pack and kernel where Triton is (on a
@@ -113,6 +122,7 @@ class CudaTransferEngine:
         are the ones transfers use: what changes between transfers (the ids, the host
         base and stride, the range of arrays, the segment count) is not specialised
         (``asyncpin._kernels``), and the array tables are the layout's."""
+        self._load()
         layout, rt, copies = self._layout, self._rt, self._copies
         # A store's host blocks are distinct, and so are a load's device blocks.
         max_ids = {"store": self._num_host_blocks, "load": layout.num_blocks}

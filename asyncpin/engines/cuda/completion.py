@@ -61,7 +61,11 @@ class _Worker:
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+
+    def start(self) -> None:
+        """Start the thread (once); items put before are handled then."""
+        if self._thread.ident is None:
+            self._thread.start()
 
     def _handle(self, item: Any) -> None:
         raise NotImplementedError
@@ -71,9 +75,10 @@ class _Worker:
             self._handle(item)
 
     def close(self) -> None:
-        """Returns once every item put before has been handled."""
+        """Returns once every item put before has been handled (none if never started)."""
         self._queue.put(None)
-        self._thread.join()
+        if self._thread.ident is not None:
+            self._thread.join()
 
 
 class Waiter(_Worker):
@@ -306,6 +311,10 @@ class Completion:
                 in_order = False
         while jobs and jobs[0].transfer.done():
             jobs.popleft()
+
+    def start(self) -> None:
+        for waiter in self.waiters.values():
+            waiter.start()
 
     def close(self) -> None:
         """Returns once every waiter thread has ended."""

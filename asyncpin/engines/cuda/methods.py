@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import importlib.util
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,12 +38,17 @@ from asyncpin.engines.cuda.plan import (
 from asyncpin.gate import outside_captures
 from asyncpin.transfers import TransferJob
 
-__all__ = ["KERNEL_CTAS", "CopyMethods", "load_kernel", "on_device"]
+__all__ = ["KERNEL_CTAS", "CopyMethods", "kernel_importable", "load_kernel", "on_device"]
 
 # Copy kernel CTAs: enough to reach the bus's speed, few enough to leave the SMs to the
 # model (BENCH.md: 8 CTAs reach 50 GB/s D2H, H2D needs 32).
 KERNEL_CTAS = {"store": 16, "load": 32}
 _PACK_CTAS = 132
+
+
+def kernel_importable() -> bool:
+    """Whether Triton is installed (found without importing it)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def load_kernel() -> Any:

@@ -1,0 +1,613 @@
+"""Start-up at the seed's scale: time until a server embedding the KV tier is ready to
+serve, for three recipes, with a model's GPU loop and a CUDA-graph-capturing thread
+running throughout.
+
+    python3 bench/startup.py --size 16GiB --size 64GiB --size 100GiB --json-out startup.json
+    python3 bench/startup.py --cold 16GiB --size 64GiB      # first on memory never touched
+    python3 bench/startup.py --quick     # a few MiB; without a GPU, the host backend
+
+Recipes (each in this process, on the event loop of an anyio program whose 1 ms heartbeat
+measures the loop's lag):
+
+- ``vllm``: ``torch.zeros(size)`` then one cudaHostRegister of it, on the event loop's
+  thread (vLLM's recipe before the seed); close: one cudaHostUnregister, then the tensor
+  freed, on the loop.
+- ``seed``: an anonymous mapping, then one cudaHostRegister of it in a worker thread;
+  close: unregister and munmap on the loop.
+- ``asyncpin``: ``OffloadManager.for_kv`` over a Llama-3.1-8B layout (64 arrays of 32 KiB
+  blocks, 2 MiB per host block) filling ``size``, with its defaults; ready once
+  ``await mgr.pinned`` returns (pinning and the transfer engine's set-up). Then a few
+  store/load round trips (their lag counts), then ``aclose()``.
+
+Without a GPU the registrations are mlock/munlock and there is no GPU loop or capture.
+
+Measured per run: entry (the constructor, or ``async with`` until the body runs), ready
+(from the start of entry), close; the event loop's worst lag over each phase; the
+longest GPU step (8 bf16 8192^3 matmuls, then a synchronize, in a thread of its own)
+that overlaps each phase, over the step alone; graph captures made and failed (the
+capturing thread captures and replays 4 small matmuls, ``capture_error_mode=
+"thread_local"``, every 20 ms; ``install_capture_gate()`` is on for every recipe, it only
+holds asyncpin's calls). Each phase's worst lag comes with the loop thread's stack at
+that moment (sampled by a watchdog thread), and each pin and unpin call is timed, to see
+where the time goes.
+
+``--cold SIZE``: before anything else (after a manager of one block has compiled the copy
+kernel), ``asyncpin`` then the ``vllm`` recipe at SIZE, the manager kept open until the
+second is ready, so that both fault in memory this process has never touched (cold on a
+machine whose memory is backed as it is first used: run it first in a fresh machine).
+Warm runs fault in and free their size first.
+Figures: bench/RESULTS.md#startup.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import ctypes.util
+import mmap
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import torch
+
+# Appended, not prepended: the asyncpin under test is the one PYTHONPATH names first.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from asyncpin import KVLayout, OffloadManager, install_capture_gate
+from bench._common import (
+    HEAD_DIM,
+    HEADS,
+    TOKENS,
+    GiB,
+    GpuStepper,
+    format_bytes,
+    machine,
+    median,
+    parse_size,
+    parser,
+    quiet_logs,
+    write_json,
+)
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+_LIBC.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_LIBC.mlock.argtypes = _LIBC.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+PIN_THREADS = 0  # --pin-threads (0: the library's default)
+HOST_BLOCK = 2 * 32 * TOKENS * HEADS * HEAD_DIM * 2  # 2 MiB: 64 arrays of 32 KiB
+LAYERS = 32
+
+
+def mem_total_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class Clock:
+    """Timestamps since the bench started."""
+
+    t0 = time.perf_counter()
+
+    @classmethod
+    def now(cls) -> float:
+        return time.perf_counter() - cls.t0
+
+
+class Heartbeat:
+    """A 1 ms sleep in a loop: each wake's overshoot is the loop's lag, with its time. A
+    watchdog thread samples the loop thread's stack while the wake is 2 ms late or more,
+    so the worst lag of a phase comes with what the loop was doing."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []  # (wake time, lag)
+        self.stacks: list[tuple[float, str]] = []  # (time, the loop's innermost frames)
+        self._deadline = Clock.now() + 0.001
+        self._tid = threading.get_ident()
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, daemon=True)
+
+    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        self._tid = threading.get_ident()
+        self._watchdog.start()
+        task_status.started()
+        try:
+            while True:
+                self._deadline = Clock.now() + 0.001
+                await anyio.sleep(0.001)
+                now = Clock.now()
+                self.samples.append((now, max(0.0, now - self._deadline)))
+        finally:
+            self._stop.set()
+
+    def _watch(self) -> None:
+        last = ""
+        while not self._stop.wait(0.0005):
+            now = Clock.now()
+            if now - self._deadline < 0.002:
+                continue
+            frame = sys._current_frames().get(self._tid)
+            if frame is None:
+                continue
+            where = " < ".join(
+                f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                for f in reversed(traceback.extract_stack(frame)[-4:])
+            )
+            del frame  # a frame kept alive keeps every local of the loop's stack alive
+            if where != last:
+                self.stacks.append((now, where))
+                last = where
+
+    def worst(self, start: float, end: float) -> tuple[float, str]:
+        """The worst lag inside [start, end] (a wake at t late by L was blocked over
+        [t - L, t]; only the part inside the window counts), and the loop thread's stack
+        sampled during it."""
+        lag, at = 0.0, (0.0, 0.0)
+        for t, late in self.samples:
+            inside = min(t, end) - max(t - late, start)
+            if inside > lag:
+                lag, at = inside, (max(t - late, start), min(t, end))
+        where = [s for t, s in self.stacks if at[0] <= t <= at[1]]
+        counts = collections.Counter(where).most_common(1)
+        return lag, counts[0][0] if counts else ""
+
+
+class StepLog(GpuStepper):
+    """A model's step in a thread, each step's (start, end) kept. It runs on a stream of
+    its own and waits for that stream only: a device-wide synchronize is refused while
+    another thread captures a graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: list[tuple[float, float]] = []
+        self.errors: list[str] = []
+        self.stream = torch.cuda.Stream()
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        with torch.cuda.stream(self.stream):
+            for _ in range(self.matmuls):
+                torch.mm(self.a, self.b)
+        self.stream.synchronize()
+        return time.perf_counter() - t0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            start = Clock.now()
+            try:
+                self.step()
+            except Exception as exc:  # counted: the bench goes on without this step
+                self.errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                continue
+            self.spans.append((start, Clock.now()))
+
+    def longest(self, start: float, end: float) -> float:
+        return max((e - s for s, e in self.spans if e >= start and s <= end), default=0.0)
+
+
+class Capturer:
+    """Captures and replays a graph of 4 small matmuls every 20 ms in a thread."""
+
+    def __init__(self) -> None:
+        self.x = torch.randn(1024, 1024, device="cuda")
+        self.stream = torch.cuda.Stream()
+        self.captured = self.failed = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                    y = self.x
+                    for _ in range(4):
+                        y = y @ self.x
+                graph.replay()
+                self.stream.synchronize()
+                self.captured += 1
+            except Exception as exc:  # counted: a failed capture is the result
+                self.failed += 1
+                self.errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+
+class TimedBackend:
+    """asyncpin's own backend, each pin and unpin call's duration kept."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.max_pin_bytes = inner.max_pin_bytes
+        self.pins: list[float] = []
+        self.unpins: list[float] = []
+
+    def preflight(self, nbytes: int) -> None:
+        self.inner.preflight(nbytes)
+
+    def pin(self, address: int, nbytes: int) -> None:
+        t0 = time.perf_counter()
+        self.inner.pin(address, nbytes)
+        self.pins.append(time.perf_counter() - t0)
+
+    def unpin(self, address: int, nbytes: int) -> None:
+        t0 = time.perf_counter()
+        self.inner.unpin(address, nbytes)
+        self.unpins.append(time.perf_counter() - t0)
+
+
+def _register(address: int, nbytes: int) -> None:
+    if torch.cuda.is_available():
+        code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))
+        if code:
+            raise RuntimeError(f"cudaHostRegister failed: {code}")
+    elif _LIBC.mlock(address, nbytes):
+        raise OSError(ctypes.get_errno(), "mlock failed")
+
+
+def _unregister(address: int, nbytes: int) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.cudart().cudaHostUnregister(address)
+    else:
+        _LIBC.munlock(address, nbytes)
+
+
+def _prime(nbytes: int) -> None:
+    """Fault ``nbytes`` in and free them: the next run finds memory the machine backs."""
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    del buf
+
+
+class Run:
+    """One recipe's phases: marks (name → time) and a record of what happened."""
+
+    def __init__(self, recipe: str, nbytes: int) -> None:
+        self.recipe, self.nbytes = recipe, nbytes
+        self.marks: dict[str, float] = {}
+        self.extra: dict[str, Any] = {}
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = Clock.now()
+
+
+async def vllm_open(run: Run) -> Callable[[], None]:
+    run.mark("start")
+    tensor = torch.zeros(run.nbytes, dtype=torch.uint8)
+    _register(tensor.data_ptr(), run.nbytes)
+    run.mark("entered")
+    run.mark("ready")
+
+    def close() -> None:
+        _unregister(tensor.data_ptr(), run.nbytes)
+
+    return close  # the tensor is freed with the closure
+
+
+async def seed_open(run: Run) -> Callable[[], None]:
+    run.mark("start")
+    prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    address = _LIBC.mmap(None, run.nbytes, prot, flags, -1, 0)
+    if address in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap failed")
+    run.mark("entered")
+    await anyio.to_thread.run_sync(_register, address, run.nbytes)
+    run.mark("ready")
+
+    def close() -> None:
+        _unregister(address, run.nbytes)
+        _LIBC.munmap(address, run.nbytes)
+
+    return close
+
+
+def kv_layout(blocks: int) -> tuple[KVLayout, list[torch.Tensor]]:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = (blocks, TOKENS, HEADS, HEAD_DIM)
+    arrays = [torch.ones(shape, device=device, dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
+    return KVLayout.from_tensors(arrays), arrays
+
+
+async def asyncpin_run(
+    run: Run,
+    layout: KVLayout,
+    trips: int,
+    chunk_bytes: int | None = None,
+    inside: Callable[[], Awaitable[Any]] | None = None,
+) -> None:
+    """The tier's start-up, ``trips`` round trips, ``inside()`` if given, then close."""
+    from asyncpin.backends import resolve_backend
+
+    backend = TimedBackend(resolve_backend("auto", None))
+    num_host_blocks = run.nbytes // HOST_BLOCK
+    kwargs: dict[str, Any] = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+    if PIN_THREADS:
+        kwargs["pin_threads"] = PIN_THREADS
+    run.mark("start")
+    mgr = OffloadManager.for_kv(layout, num_host_blocks, backend=backend, **kwargs)
+    async with mgr:
+        run.mark("entered")
+        await mgr.pinned
+        run.mark("ready")
+        if inside is not None:
+            await inside()
+        blocks = min(64, layout.num_blocks)
+        for i in range(trips):
+            ids = [(i * blocks + j) % num_host_blocks for j in range(blocks)]
+            await mgr.store(range(blocks), ids)
+            await mgr.load(ids, range(blocks))
+        run.mark("served")
+        stats = mgr.stats()
+        run.extra["chunks"] = stats.chunks_total
+        run.extra["chunk_bytes"] = stats.chunk_bytes
+        run.mark("close")
+    run.mark("closed")
+    for name, calls in (("pin", backend.pins), ("unpin", backend.unpins)):
+        if calls:
+            ordered = sorted(calls)
+            run.extra[f"{name}_call_p50_ms"] = ordered[len(ordered) // 2] * 1e3
+            run.extra[f"{name}_call_max_ms"] = ordered[-1] * 1e3
+            run.extra[f"{name}_calls_s"] = sum(calls)
+
+
+async def peer_run(run: Run, opener: Callable[[Run], Any]) -> None:
+    close = await opener(run)
+    await anyio.sleep(0.005)  # the heartbeat wakes: a blocked loop's lag is recorded
+    run.mark("served")
+    run.mark("close")
+    close()
+    del close
+    run.mark("closed")
+    await anyio.sleep(0.005)
+
+
+def phases(run: Run, hb: Heartbeat, steps: StepLog | None, step_alone: float) -> dict[str, Any]:
+    m = run.marks
+    windows = {
+        "opening": (m["start"], m["ready"]),
+        "serving": (m["ready"], m["served"]),
+        "closing": (m["close"], m["closed"]),
+    }
+    out: dict[str, Any] = {
+        "recipe": run.recipe,
+        "nbytes": run.nbytes,
+        "enter_s": m["entered"] - m["start"],
+        "ready_s": m["ready"] - m["start"],
+        "close_s": m["closed"] - m["close"],
+        **run.extra,
+    }
+    for phase, (start, end) in windows.items():
+        lag, where = hb.worst(start, end)
+        out[f"lag_{phase}_s"] = lag
+        out[f"lag_{phase}_at"] = where
+        if steps is not None and phase != "serving":
+            out[f"stretch_{phase}"] = steps.longest(start, end) / step_alone
+    return out
+
+
+async def one(
+    recipe: str, nbytes: int, hb: Heartbeat, steps: StepLog | None, step_alone: float, args: Any
+) -> dict[str, Any]:
+    run = Run(recipe, nbytes)
+    if recipe == "asyncpin":
+        layout, arrays = kv_layout(256 if torch.cuda.is_available() else 4)
+        await asyncpin_run(run, layout, args.trips, args.chunk_bytes)
+        del arrays
+    else:
+        await peer_run(run, vllm_open if recipe == "vllm" else seed_open)
+    await anyio.sleep(0.01)
+    result = phases(run, hb, steps, step_alone)
+    stretch = result.get("stretch_opening")
+    print(
+        f"  {format_bytes(nbytes)} {recipe}: enter {result['enter_s'] * 1e3:.1f} ms, ready "
+        f"{result['ready_s']:.2f} s, close {result['close_s']:.2f} s, lag open/serve/close "
+        f"{result['lag_opening_s'] * 1e3:.1f}/{result['lag_serving_s'] * 1e3:.1f}/"
+        f"{result['lag_closing_s'] * 1e3:.1f} ms"
+        + (
+            f", step x{stretch:.2f} open / x{result['stretch_closing']:.2f} close"
+            if stretch is not None
+            else ""
+        ),
+        file=sys.stderr,
+        flush=True,
+    )
+    return result
+
+
+async def cold_pair(nbytes: int, hb: Heartbeat, steps: StepLog | None, alone: float) -> Any:
+    """``asyncpin`` then ``vllm``, each on memory this process never touched: the
+    manager stays open (pinned) while the second recipe runs. asyncpin goes first: on a
+    machine whose memory grows as it is used, its check of available memory sees only
+    what the machine has grown to so far."""
+    before = mem_total_bytes()
+    layout, arrays = kv_layout(256 if torch.cuda.is_available() else 4)
+    ours, peer = Run("asyncpin", nbytes), Run("vllm", nbytes)
+
+    async def then_peer() -> None:
+        close = await vllm_open(peer)
+        await anyio.sleep(0.005)
+        peer.mark("served")
+        peer.mark("close")
+        close()
+        del close
+        peer.mark("closed")
+
+    await asyncpin_run(ours, layout, trips=1, inside=then_peer)
+    del arrays
+    await anyio.sleep(0.01)
+    return {
+        "mem_total_before": before,
+        "mem_total_after": mem_total_bytes(),
+        "runs": [phases(ours, hb, steps, alone), phases(peer, hb, steps, alone)],
+    }
+
+
+async def bench(args: Any) -> dict[str, Any]:
+    gpu = torch.cuda.is_available()
+    steps = StepLog() if gpu else None
+    alone = steps.alone_s() if steps is not None else 0.0
+    capturer = Capturer() if gpu else None
+    gate = install_capture_gate()
+    hb = Heartbeat()
+    doc: dict[str, Any] = {"machine": machine(), "step_alone_s": alone, "sizes": {}}
+    async with anyio.create_task_group() as tg:
+        await tg.start(hb.run)
+        if steps is not None:
+            steps.start()
+        if capturer is not None:
+            capturer.start()
+        try:
+            if args.cold:
+                # The copy kernel's compile (once per process) out of the cold figures.
+                await asyncpin_run(Run("asyncpin", HOST_BLOCK), *kv_layout(4)[:1], trips=0)
+                doc["cold"] = await cold_pair(args.cold, hb, steps, alone)
+            for nbytes in args.size:
+                runs: list[dict[str, Any]] = []
+                order = list(args.recipe)
+                for rep in range(args.repeats):
+                    rotated = order[rep % len(order) :] + order[: rep % len(order)]
+                    for recipe in rotated:
+                        if recipe == "seed" and rep >= args.seed_repeats:
+                            continue
+                        await anyio.to_thread.run_sync(_prime, nbytes)
+                        runs.append(await one(recipe, nbytes, hb, steps, alone, args))
+                doc["sizes"][format_bytes(nbytes).replace(" ", "")] = summarise(runs)
+        finally:
+            if capturer is not None:
+                capturer.stop()
+                doc["captures"] = {
+                    "made": capturer.captured,
+                    "failed": capturer.failed,
+                    "errors": capturer.errors[:5],
+                }
+            if steps is not None:
+                steps.stop()
+                doc["step_errors"] = {"count": len(steps.errors), "first": steps.errors[:3]}
+            gate.uninstall()
+            tg.cancel_scope.cancel()
+    return doc
+
+
+KEYS = (
+    "enter_s",
+    "ready_s",
+    "close_s",
+    "lag_opening_s",
+    "lag_serving_s",
+    "lag_closing_s",
+    "stretch_opening",
+    "stretch_closing",
+)
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"runs": runs}
+    for recipe in dict.fromkeys(r["recipe"] for r in runs):
+        mine = [r for r in runs if r["recipe"] == recipe]
+        out[recipe] = {
+            key: {
+                "median": median([r[key] for r in mine]),
+                "min": min(r[key] for r in mine),
+                "max": max(r[key] for r in mine),
+            }
+            for key in KEYS
+            if all(key in r for r in mine)
+        }
+        out[recipe]["n"] = len(mine)
+    return out
+
+
+def _t(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def print_table(doc: dict[str, Any]) -> None:
+    where = doc["machine"]["gpu"] or "host backend (no GPU)"
+    print(f"\nStart-up on {where}; step alone {doc['step_alone_s'] * 1e3:.1f} ms; medians")
+    head = (
+        f"{'size':>7} {'recipe':<9} {'n':>2} {'enter':>9} {'ready':>8} {'close':>8} "
+        f"{'lag open':>9} {'serve':>8} {'close':>8} {'step open':>9} {'close':>6}"
+    )
+    print(head)
+    print("-" * len(head))
+    rows = [(size, s) for size, s in doc["sizes"].items()]
+    if "cold" in doc:
+        rows.insert(0, ("cold", summarise(doc["cold"]["runs"])))
+    for size, summary in rows:
+        for recipe in ("vllm", "seed", "asyncpin"):
+            s = summary.get(recipe)
+            if s is None:
+                continue
+
+            def get(key: str, s: dict[str, Any] = s) -> float | None:
+                return s[key]["median"] if key in s else None
+
+            stretch = get("stretch_opening")
+            print(
+                f"{size:>7} {recipe:<9} {s['n']:>2} {_t(s['enter_s']['median']):>9} "
+                f"{_t(s['ready_s']['median']):>8} {_t(s['close_s']['median']):>8} "
+                f"{_t(s['lag_opening_s']['median']):>9} {_t(s['lag_serving_s']['median']):>8} "
+                f"{_t(s['lag_closing_s']['median']):>8} "
+                + (
+                    f"{stretch:>8.2f}x {get('stretch_closing'):>5.2f}x"
+                    if stretch is not None
+                    else f"{'-':>9} {'-':>6}"
+                )
+            )
+        if "vllm" in summary and "asyncpin" in summary:
+            v, a = summary["vllm"], summary["asyncpin"]
+            print(
+                f"{'':>7} vllm / asyncpin: ready "
+                f"{v['ready_s']['median'] / a['ready_s']['median']:.2f}x, close "
+                f"{v['close_s']['median'] / a['close_s']['median']:.2f}x"
+            )
+    if "captures" in doc:
+        c = doc["captures"]
+        print(f"graph captures: {c['made']} made, {c['failed']} failed {c['errors'][:1]}")
+    if doc.get("step_errors", {}).get("count"):
+        print(f"GPU steps that failed: {doc['step_errors']}")
+
+
+def main() -> int:
+    p = parser(__doc__)
+    p.add_argument("--size", type=parse_size, action="append", help="repeatable (default 16GiB)")
+    p.add_argument("--cold", type=parse_size, default=None, help="a cold pair at this size first")
+    p.add_argument("--recipe", action="append", choices=("vllm", "seed", "asyncpin"))
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--seed-repeats", type=int, default=1, help="the seed recipe is slow")
+    p.add_argument("--chunk-bytes", type=parse_size, default=None, help="default: the library's")
+    p.add_argument("--pin-threads", type=int, default=0, help="0: the library's default")
+    p.add_argument("--trips", type=int, default=20, help="store/load round trips when ready")
+    args = p.parse_args()
+    if args.quick:
+        args.size, args.repeats, args.trips = [8 << 20], 1, 2
+        args.cold = args.cold and 8 << 20
+    args.size = args.size if args.size is not None else [16 * GiB]
+    args.recipe = args.recipe or ["vllm", "seed", "asyncpin"]
+    global PIN_THREADS
+    PIN_THREADS = args.pin_threads
+    quiet_logs()
+    doc = anyio.run(bench, args)
+    write_json(args.json_out, doc)
+    print_table(doc)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
