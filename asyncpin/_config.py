@@ -27,6 +27,7 @@ __all__ = [
     "ManagerConfig",
     "UnpinnedPolicy",
     "check_num_host_blocks",
+    "default_chunk_bytes",
     "default_prefault_threads",
 ]
 
@@ -34,6 +35,22 @@ __all__ = [
 # cudaHostRegister short enough that a concurrent 24 ms GPU step stretches by ~15% at most,
 # at full pinning speed; 256 MiB chunks stretched it 2.6x.
 DEFAULT_CHUNK_BYTES = 16 << 20
+# A larger region gets larger chunks by default (``default_chunk_bytes``).
+_MAX_DEFAULT_CHUNKS = 1024
+_MAX_DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+def default_chunk_bytes(nbytes: int) -> int:
+    """The chunk size when none is given: 16 MiB, and for a region over 16 GiB as much as
+    keeps it to 1024 chunks, up to 64 MiB (a multiple of 2 MiB). Each cudaHostUnregister
+    at close waits for the whole device to go idle (measured on the H200), so fewer
+    chunks stall a running model less and close sooner (64 GiB: 2.8 s in 1024 chunks
+    against 7.2 s in 4096); a larger chunk holds the driver's lock longer while it is
+    registered (about 1 ms per 16 MiB there), which is why it stays bounded."""
+    per_chunk = -(-nbytes // _MAX_DEFAULT_CHUNKS)
+    chunk = min(max(DEFAULT_CHUNK_BYTES, per_chunk), _MAX_DEFAULT_CHUNK_BYTES)
+    return -(-chunk // HUGE_PAGE) * HUGE_PAGE
+
 
 # Bound on prefault_threads and pin_threads: each is an OS thread, and page faulting
 # stops scaling long before this (and the defaults stay at 8 and 1).
@@ -116,7 +133,7 @@ class ManagerConfig:
         *,
         backing: Backing,
         name: str | None,
-        chunk_bytes: int,
+        chunk_bytes: int | None,
         prefault_threads: int | None,
         pin_threads: int,
         pin_interval_s: float,
@@ -133,6 +150,8 @@ class ManagerConfig:
         size = 0 if attach else validate_nbytes(nbytes)
         validate_backing(backing)
         validate_hugepages(hugepages)
+        if chunk_bytes is None:
+            chunk_bytes = default_chunk_bytes(size)
         chunk = _check_chunk_bytes(chunk_bytes, hugepages)
         if prefault_threads is None:
             prefault_threads = default_prefault_threads()

@@ -17,7 +17,6 @@ import torch
 
 from asyncpin import _sys
 from asyncpin._config import (
-    DEFAULT_CHUNK_BYTES,
     ManagerConfig,
     UnpinnedPolicy,
     check_host_slice,
@@ -76,7 +75,7 @@ class OffloadManager:
         device: int | None = None,
         backing: Backing = "anonymous",
         name: str | None = None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         prefault_threads: int | None = None,
         pin_threads: int = 1,
         pin_interval_s: float = 0.0,

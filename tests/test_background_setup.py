@@ -180,15 +180,19 @@ async def test_a_close_while_the_engine_prepares_waits_for_it(
     assert not is_mapped(*regions[0]) and backend.pinned_spans() == backend.unpinned_spans()
 
 
-async def test_the_pipeline_starts_its_threads_before_it_faults(
+def test_the_pipeline_starts_its_threads_before_it_faults(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # A fresh asyncio loop: its worker-thread pool starts empty (trio's is process-wide,
+    # and earlier tests leave idle threads in it).
     started: list[str] = []
     faulting = threading.Event()
     start = threading.Thread.start
+    loop_thread = threading.get_ident()
 
     def record_start(self: threading.Thread) -> None:
-        started.append("after" if faulting.is_set() else "before")
+        if threading.get_ident() == loop_thread:  # a stray start elsewhere is not ours
+            started.append("after" if faulting.is_set() else "before")
         start(self)
 
     prefault = HostRegion.prefault
@@ -199,13 +203,21 @@ async def test_the_pipeline_starts_its_threads_before_it_faults(
 
     monkeypatch.setattr(threading.Thread, "start", record_start)
     monkeypatch.setattr(HostRegion, "prefault", mark)
-    with anyio.fail_after(TIMEOUT_S):
-        mgr = OffloadManager(
-            64 * 4096, backend=FakeBackend(), chunk_bytes=4096, prefault_threads=2, pin_threads=2
-        )
-        async with mgr:
-            await mgr.pinned
-    assert faulting.is_set()
+
+    async def main() -> None:
+        with anyio.fail_after(TIMEOUT_S):
+            mgr = OffloadManager(
+                64 * 4096,
+                backend=FakeBackend(),
+                chunk_bytes=4096,
+                prefault_threads=2,
+                pin_threads=2,
+            )
+            async with mgr:
+                await mgr.pinned
+
+    anyio.run(main, backend="asyncio")
+    assert faulting.is_set() and started.count("before") >= 4
     assert "after" not in started, started
 
 

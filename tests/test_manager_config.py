@@ -21,6 +21,7 @@ from asyncpin import (
     PreflightError,
     _sys,
 )
+from asyncpin._config import default_chunk_bytes
 from asyncpin.region import HostRegion, hugetlb_free_bytes
 from asyncpin.shm import HEADER_BYTES, SHM_DIR
 from asyncpin.testing import FakeBackend
@@ -84,6 +85,23 @@ class TestKnobs:
     async def test_chunk_bytes(self, chunk_bytes: Any) -> None:
         with refused(ConfigError, "chunk_bytes", "multiple of the page size", str(PAGE)):
             await open_manager(MIB, backend="host", chunk_bytes=chunk_bytes)
+
+    @pytest.mark.parametrize(
+        ("nbytes", "chunk"),
+        [
+            (MIB, 16 * MIB),
+            (16 << 30, 16 * MIB),
+            (17 << 30, 18 * MIB),
+            (64 << 30, 64 * MIB),
+            ((100 << 30) + PAGE, 64 * MIB),
+            (1 << 40, 64 * MIB),
+        ],
+    )
+    def test_default_chunk_bytes_grow_with_the_region(self, nbytes: int, chunk: int) -> None:
+        # Each unpin at close waits for the device to go idle: fewer chunks for a large
+        # region, and never a chunk that holds the driver's lock much longer.
+        assert default_chunk_bytes(nbytes) == chunk
+        assert OffloadManager(nbytes, backend=FakeBackend()).stats().chunk_bytes == chunk
 
     @pytest.mark.parametrize("knob", ["prefault_threads", "pin_threads"])
     @pytest.mark.parametrize("value", [0, -1, 1.5, True])

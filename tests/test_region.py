@@ -326,7 +326,12 @@ class TestRelease:
         view = region.view()
         address = region.address
         collections: list[tuple[Any, ...]] = []
-        monkeypatch.setattr("gc.collect", lambda *args: collections.append(args) or 0)
+
+        def collect(*args: Any) -> int:
+            collections.append(args)
+            return 0
+
+        monkeypatch.setattr("gc.collect", collect)
         assert region.release() is False  # the view holds the range
         assert collections == []
         assert is_mapped(address, PAGE)

@@ -34,7 +34,7 @@ def main() -> int:
         base = buf.data_ptr()
         addrs = [base + i * size for i in range(args.chunks)]
 
-        def reg(a: int) -> float:
+        def reg(a: int, size: int = size) -> float:
             t0 = time.perf_counter()
             assert int(rt.cudaHostRegister(a, size, 0)) == 0
             return time.perf_counter() - t0
@@ -58,7 +58,7 @@ def main() -> int:
         launches: list[float] = []
         stop = threading.Event()
 
-        def launcher() -> None:
+        def launcher(launches: list[float] = launches, stop: threading.Event = stop) -> None:
             s = torch.cuda.Stream()
             with torch.cuda.stream(s):
                 while not stop.is_set():

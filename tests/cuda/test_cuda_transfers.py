@@ -468,9 +468,9 @@ class TestKernelVariants:
         methods: list[Any] = ["pack", "kernel"]
         before_open = len(compiled)
         async with OffloadManager.for_kv(layout, 256, backend="cuda") as mgr:
+            await mgr.pinned  # ready: the engine prepared (in the background) too
             after_open = len(compiled)
             assert after_open > before_open, "opening compiled nothing"
-            await mgr.pinned
             for n in (1, 2, 3, 16, 17, 33, 64, 65, 255):
                 for m in methods:
                     await mgr.store(_ids(n, 256), _ids(n, 256), method=m)
