@@ -24,7 +24,7 @@ Without a GPU the registrations are mlock/munlock and there is no GPU loop or ca
 Measured per run: entry (the constructor, or ``async with`` until the body runs), ready
 (from the start of entry), close; the event loop's worst lag over each phase; the
 longest GPU step (8 bf16 8192^3 matmuls, then a synchronize, in a thread of its own)
-that overlaps each phase, over the step alone; graph captures made and failed (the
+that began in each phase, over the step alone; graph captures made and failed (the
 capturing thread captures and replays 4 small matmuls every 20 ms, in
 ``capture_error_mode="relaxed"``: in the stricter modes the model's loop in another
 thread failed every capture; ``install_capture_gate()`` is on for every recipe, it only
@@ -192,8 +192,13 @@ class StepLog(GpuStepper):
                 continue
             self.spans.append((start, Clock.now()))
 
+    def within(self, start: float, end: float) -> list[tuple[float, float]]:
+        """The steps that began in [start, end] (one that began before was held up by
+        something else)."""
+        return [(s, e) for s, e in self.spans if start <= s <= end]
+
     def longest(self, start: float, end: float) -> float:
-        return max((e - s for s, e in self.spans if e >= start and s <= end), default=0.0)
+        return max((e - s for s, e in self.within(start, end)), default=0.0)
 
 
 class Capturer:
@@ -271,8 +276,11 @@ def _unregister(address: int, nbytes: int) -> None:
 
 
 def _prime(nbytes: int) -> None:
-    """Fault ``nbytes`` in and free them: the next run finds memory the machine backs."""
-    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    """Fault ``nbytes`` in and free them: the next run finds memory the machine backs. A
+    memset through ctypes, which releases the GIL (a torch fill of many GiB holds it for
+    seconds, and the model's loop thread with it)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    ctypes.memset(buf.data_ptr(), 0, nbytes)
     del buf
 
 
@@ -399,6 +407,9 @@ def phases(run: Run, hb: Heartbeat, steps: StepLog | None, step_alone: float) ->
         out[f"lag_{phase}_at"] = where
         if steps is not None and phase != "serving":
             out[f"stretch_{phase}"] = steps.longest(start, end) / step_alone
+            out[f"steps_{phase}"] = [
+                [round(s - start, 4), round(e - s, 4)] for s, e in steps.within(start, end)
+            ][:2000]
     return out
 
 
