@@ -119,6 +119,8 @@ class ManagerConfig:
     attach: bool
     #: (rank, ranks): this manager's part of host blocks that ``ranks`` managers share.
     host_slice: tuple[int, int] = (0, 1)
+    #: No chunk_bytes was given: an attacher sizes chunks from the region it finds.
+    chunk_default: bool = False
 
     @property
     def host_block_stride(self) -> int:
@@ -150,6 +152,7 @@ class ManagerConfig:
         size = 0 if attach else validate_nbytes(nbytes)
         validate_backing(backing)
         validate_hugepages(hugepages)
+        chunk_default = chunk_bytes is None
         if chunk_bytes is None:
             chunk_bytes = default_chunk_bytes(size)
         chunk = _check_chunk_bytes(chunk_bytes, hugepages)
@@ -197,6 +200,7 @@ class ManagerConfig:
             backing=backing,
             name=name,
             chunk_bytes=chunk,
+            chunk_default=chunk_default,
             prefault_threads=prefault,
             pin_threads=pinners,
             pin_interval_s=float(pin_interval_s),

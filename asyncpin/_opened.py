@@ -12,7 +12,7 @@ import anyio.to_thread
 import torch
 
 from asyncpin import _sys
-from asyncpin._config import ManagerConfig
+from asyncpin._config import ManagerConfig, default_chunk_bytes
 from asyncpin._router import TransferRouter
 from asyncpin._tasks import OwnedTasks
 from asyncpin.abc import EngineSetup, PinBackend, TransferEngine
@@ -37,6 +37,7 @@ class Opened:
         self.pinned = pinned  # the manager's: pinning done and, for KV, the engine prepared
         # Settled when the engine's prepare() has returned or failed.
         self.engine_ready = PinnedSignal()
+        self.chunk_bytes = scheduler.chunk_bytes
         self.engine: TransferEngine | None = None
         self.router: TransferRouter | None = None
         self.host_blocks: torch.Tensor | None = None
@@ -61,6 +62,10 @@ class Opened:
         (``prepare_in_background``: the CUDA engine, whose Triton import, kernel compile
         and device buffers take up to seconds). Nothing is started (``start()``)."""
         region = _map_region(config, backend, log)
+        if config.attach and config.chunk_default:
+            # The region's size is known only now.
+            cap = backend.max_pin_bytes // _sys.PAGE_SIZE * _sys.PAGE_SIZE
+            chunk_bytes = min(default_chunk_bytes(region.nbytes), cap)
         opened: Opened | None = None
         try:
             layout = config.kv_layout
@@ -90,7 +95,8 @@ class Opened:
             if layout is not None:
                 engine = opened._open_engine(config, layout, chunk_bytes, tasks, observers, log)
                 if opened.background:
-                    scheduler.pinned = PinnedSignal()  # `pinned` waits for the engine too
+                    # `pinned` waits for the engine too: settled by whichever ends last.
+                    scheduler.pinned = _Settles(opened._settle_pinned)
                 else:
                     await anyio.to_thread.run_sync(engine.prepare)
                     opened._engine_prepared(None)
@@ -140,6 +146,8 @@ class Opened:
         assert self.router is not None
         self.router.engine_prepared(error)
         self.engine_ready.resolve(error)
+        if self.background:
+            self._settle_pinned()
 
     def start(self, tasks: OwnedTasks, log: Any) -> None:
         """Start pinning and the engine's preparation in the background, as the manager's
@@ -148,7 +156,6 @@ class Opened:
         if self.background:
             # First: its worker thread starts before pinning holds the memory-map lock.
             tasks.start_soon(self._prepare_engine, log)
-            tasks.start_soon(self._settle_pinned)
         tasks.start_soon(self.scheduler.run)
 
     async def _prepare_engine(self, log: Any) -> None:
@@ -156,9 +163,10 @@ class Opened:
         assert engine is not None
         try:
             # Its own thread slot: the application's default pool may be full.
-            await anyio.to_thread.run_sync(engine.prepare, limiter=anyio.CapacityLimiter(1))
+            await anyio.to_thread.run_sync(self._prepare_paused, limiter=anyio.CapacityLimiter(1))
         except Exception as exc:
-            log.error("engine.prepare_failed", engine=engine.name, error=repr(exc))
+            if not isinstance(exc, anyio.ClosedResourceError):
+                log.error("engine.prepare_failed", engine=engine.name, error=repr(exc))
             self._engine_prepared(exc)
             return
         except BaseException:  # cancelled by a close: the thread has returned
@@ -166,16 +174,28 @@ class Opened:
             raise
         self._engine_prepared(None)
 
-    async def _settle_pinned(self) -> None:
-        """``pinned``: the pin pipeline's outcome, then the engine's."""
+    def _prepare_paused(self) -> None:
+        """``engine.prepare()``, never while ``pinning_paused()`` is held: a capture
+        wrapped in it must not see the set-up's allocations, compile or launches."""
+        assert self.engine is not None
+        gate = self.scheduler.gate
+        if not gate.enter_call(abort=self.scheduler.stop_event):
+            raise anyio.ClosedResourceError("the manager closed before its engine was set up")
         try:
-            await self.scheduler.pinned
-            await self.engine_ready
-        except Exception as exc:
-            self.pinned.resolve(exc)
-        else:
-            if not self.scheduler.stopping:  # else a close began: it settles `pinned`
-                self.pinned.resolve()
+            self.engine.prepare()
+        finally:
+            gate.exit_call()
+
+    def _settle_pinned(self) -> None:
+        """``pinned``, from the pin pipeline's outcome and the engine's: the first failure
+        at once, success once both are done (unless a close began: it settles it)."""
+        pins, engine = self.scheduler.pinned, self.engine_ready
+        for part in (pins, engine):
+            if part.is_set() and part.error is not None:
+                self.pinned.resolve(part.error)
+                return
+        if pins.is_set() and engine.is_set() and not self.scheduler.stopping:
+            self.pinned.resolve()
 
     def stats_fields(self, *, forked: bool) -> dict[str, Any]:
         """The part of ``ManagerStats`` these resources know (in a forked child, none of
@@ -271,6 +291,20 @@ class Opened:
                 nbytes=region.nbytes,
                 action="unpinned; the range stays mapped until the last view of it is gone",
             )
+
+
+class _Settles(PinnedSignal):
+    """A pin pipeline's outcome that calls ``then()`` once it is settled."""
+
+    __slots__ = ("_then",)
+
+    def __init__(self, then: Callable[[], None]) -> None:
+        super().__init__()
+        self._then = then
+
+    def resolve(self, error: BaseException | None = None) -> None:
+        super().resolve(error)
+        self._then()
 
 
 def no_stats_fields() -> dict[str, Any]:

@@ -189,8 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--chunk-mib",
         type=_positive_int,
-        default=DEFAULT_CHUNK_BYTES >> 20,
-        help="chunk size in MiB (default: %(default)s)",
+        default=None,
+        help=(
+            f"chunk size in MiB (default: {DEFAULT_CHUNK_BYTES >> 20}, more over 16 GiB: "
+            "as much as keeps 1024 chunks, up to 64)"
+        ),
     )
     demo.add_argument(
         "--name", default=None, help="name in /dev/shm for --backing shared (default: a fresh one)"

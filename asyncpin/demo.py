@@ -21,6 +21,7 @@ import anyio
 from anyio import CancelScope
 
 from asyncpin import _sys
+from asyncpin._config import default_chunk_bytes
 from asyncpin.backends import PinBackend, resolve_backend
 from asyncpin.cli import EXIT_ERROR, PROG, default_nbytes, format_bytes, plain_table
 from asyncpin.manager import OffloadManager
@@ -65,7 +66,7 @@ async def _pin_and_close(
         backend=backend,
         backing=args.backing,
         name=name,
-        chunk_bytes=args.chunk_mib << 20,
+        chunk_bytes=None if args.chunk_mib is None else args.chunk_mib << 20,
         prefault_threads=args.prefault_threads,
         pin_threads=args.pin_threads,
     )
@@ -134,14 +135,16 @@ class _Report:
 
         self._console.print(Text.assemble(*segments), soft_wrap=True)
 
-    def started(self, backend: PinBackend, nbytes: int, args: argparse.Namespace) -> None:
+    def started(
+        self, backend: PinBackend, nbytes: int, chunk_bytes: int, args: argparse.Namespace
+    ) -> None:
         self._line(
             [
                 ("asyncpin demo", "bold"),
                 (": backend ", ""),
                 (backend.name, "cyan"),
                 (
-                    f", {format_bytes(nbytes)} {args.backing}, chunks of {args.chunk_mib} MiB, "
+                    f", {format_bytes(nbytes)} {args.backing}, chunks of {chunk_bytes >> 20} MiB, "
                     f"{args.prefault_threads} prefault / {args.pin_threads} pin threads",
                     "",
                 ),
@@ -306,7 +309,8 @@ def _run_demo_guarded(args: argparse.Namespace, guard: SignalGuard) -> int:
                 "`ulimit -l unlimited` or grant CAP_IPC_LOCK"
             )
             return EXIT_ERROR
-    report.started(backend, nbytes, args)
+    chunk_bytes = default_chunk_bytes(nbytes) if args.chunk_mib is None else args.chunk_mib << 20
+    report.started(backend, nbytes, chunk_bytes, args)
     outcome = anyio.run(_demo, args, backend, nbytes, report, guard)
     first = guard.first
     if first is not None:

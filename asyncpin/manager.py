@@ -14,6 +14,7 @@ import anyio
 import anyio.to_thread
 import structlog
 import torch
+from anyio import ClosedResourceError
 
 from asyncpin import _sys
 from asyncpin._config import (
@@ -55,7 +56,8 @@ class OffloadManager:
 
     ``async with OffloadManager(nbytes) as mgr`` returns once the region is mapped (its
     cost does not grow with ``nbytes``); pinning goes on in worker threads. ``await
-    mgr.pinned`` completes when every chunk is pinned or raises :class:`PinError`;
+    mgr.pinned`` completes when every chunk is pinned (and, for a KV manager on a GPU, its
+    transfer engine is set up) or raises :class:`PinError` (or the set-up's error);
     ``mgr.is_pinned()`` answers at once.
 
     Close contract (``aclose()`` and ``__aexit__``): idempotent, safe from any state and
@@ -177,6 +179,7 @@ class OffloadManager:
             raise anyio.ClosedResourceError("the manager was closed while it was entered")
         self._opened = opened
         self._nbytes = opened.region.nbytes
+        self._chunk_bytes = opened.chunk_bytes
         self._life.opened()
         scheduler = opened.scheduler
         opened.start(self._tasks, self._log)  # they settle `pinned`, but for a close
@@ -232,7 +235,9 @@ class OffloadManager:
 
     @property
     def pinned(self) -> PinnedSignal:
-        """Awaitable: done when all chunks are pinned; raises PinError if pinning failed."""
+        """Awaitable: done when all chunks are pinned and an engine set up in the
+        background is ready; raises PinError if pinning failed, the set-up's error if that
+        failed."""
         self._life.check_process()
         return self._pinned
 
@@ -310,7 +315,8 @@ class OffloadManager:
             hugepages=self._config.hugepages,
             hugepage_bytes=self._hugepage_bytes,
             close_seconds=self._life.close_seconds,
-            error=str(error) if isinstance(error, PinError) else None,
+            # Why the manager will not be ready: pinning or the engine's set-up failed.
+            error=None if error is None or isinstance(error, ClosedResourceError) else str(error),
             **fields,
         )
 

@@ -39,7 +39,8 @@ class PinnedSignal(Outcome):
     """Awaitable readiness: completes when every chunk is pinned, raises if that failed.
 
     ``await mgr.pinned`` and ``await mgr.pinned.wait()`` are the same. On failure it raises
-    the :class:`PinError`; if the manager closed first it raises ``ClosedResourceError``.
+    the :class:`PinError` (or, for an engine set up in the background, the set-up's
+    error); if the manager closed first it raises ``ClosedResourceError``.
     """
 
     __slots__ = ()
@@ -120,6 +121,11 @@ class PinScheduler:
         self.seconds_to_pinned: float | None = None
 
     @property
+    def chunk_bytes(self) -> int:
+        """The chunk size asked for (the last chunk may be shorter)."""
+        return self._chunk_bytes
+
+    @property
     def error(self) -> PinError | None:
         return self.table.error
 
@@ -142,6 +148,11 @@ class PinScheduler:
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()
+
+    @property
+    def stop_event(self) -> threading.Event:
+        """Set by :meth:`stop` (a close or a failure): for a wait to abort on."""
+        return self._stop
 
     def states(self) -> list[ChunkState]:
         return self.table.states()

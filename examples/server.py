@@ -36,7 +36,7 @@ arguments of :func:`create_app`, or else from the environment:
   or ``host``.
 - ``ASYNCPIN_SHARED_NAME``: create the buffer as ``/dev/shm/<name>`` so that other
   processes can attach to it (``OffloadManager.attached(name)``).
-- ``ASYNCPIN_CHUNK_BYTES``: unit of pinning (16 MiB).
+- ``ASYNCPIN_CHUNK_BYTES``: unit of pinning (default: the library's, 16 MiB up to 16 GiB).
 - ``ASYNCPIN_REDIS_URL``: ``redis://[user:password@]host:port/db`` (``rediss://`` for TLS)
   of the remote tier; unset or empty: no KV tier.
 - ``ASYNCPIN_REDIS_CLUSTER``: ``1`` when that URL is a node of a cluster (``0``).
@@ -66,7 +66,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asyncpin import DEFAULT_CHUNK_BYTES, KVLayout, ManagerState, OffloadManager, PinBackend
+from asyncpin import KVLayout, ManagerState, OffloadManager, PinBackend
 from asyncpin.cli import parse_size
 from asyncpin.metrics import OffloadCollector, TierCollector
 from asyncpin.region import Backing
@@ -140,8 +140,8 @@ def create_app(
         backend = env.get("ASYNCPIN_BACKEND", "auto")
     if shared_name is None:
         shared_name = env.get("ASYNCPIN_SHARED_NAME") or None
-    if chunk_bytes is None:
-        chunk_bytes = parse_size(env.get("ASYNCPIN_CHUNK_BYTES", str(DEFAULT_CHUNK_BYTES)))
+    if chunk_bytes is None and env.get("ASYNCPIN_CHUNK_BYTES"):
+        chunk_bytes = parse_size(env["ASYNCPIN_CHUNK_BYTES"])
     if redis_url is None:
         redis_url = env.get("ASYNCPIN_REDIS_URL")
     url = redis_url or None

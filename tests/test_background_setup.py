@@ -33,6 +33,7 @@ from asyncpin.testing import FakeBackend, FakeEngine, is_mapped
 from tests.helpers import TIMEOUT_S, wait_thread_event
 
 pytestmark = pytest.mark.anyio
+NEGATIVE_S = 0.2  # how long a thing that must not happen is given to happen
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -236,3 +237,102 @@ async def test_an_engine_prepared_at_entry_is_ready_with_the_chunks() -> None:
             await mgr.pinned
             mgr.store([0], [0])
             assert len(made[0].submitted) == 1  # straight to the engine
+
+
+async def test_a_failed_preparation_is_reported_at_once(
+    regions: list[tuple[int, int]],
+) -> None:
+    # While chunks are still pinning (one stalls), a failed set-up settles `pinned` now
+    # and says why in stats() (and so in the metrics' pin_failed and readiness).
+    made = Made(fail=RuntimeError("no room for the staging buffers"))
+    backend = FakeBackend(stall_pin_at=1)
+    with anyio.fail_after(TIMEOUT_S):
+        async with _manager(made, backend) as mgr:
+            await wait_thread_event(backend.stalled)
+            made.engine.let_prepare()
+            with pytest.raises(RuntimeError, match="no room"):
+                await mgr.pinned
+            assert mgr.stats().chunks_pinned < mgr.stats().chunks_total
+            error = mgr.stats().error
+            assert error is not None and "no room" in error
+            assert mgr.pin_error is None  # not a pinning failure
+            backend.release()
+    assert not is_mapped(*regions[0]) and backend.pinned_spans() == backend.unpinned_spans()
+
+
+async def test_the_set_up_waits_while_pinning_is_paused() -> None:
+    # A capture wrapped in pinning_paused() must not see the set-up's device calls. (The
+    # pause is taken before entry, so that the set-up cannot have begun.)
+    made = Made()
+    mgr = _manager(made, FakeBackend())
+    with anyio.fail_after(TIMEOUT_S):
+        async with mgr.pinning_paused():
+            await mgr.__aenter__()
+            try:
+                made.engine.let_prepare()
+                # Room for the set-up to begin, were it not held.
+                began = await anyio.to_thread.run_sync(made.entered_prepare.wait, NEGATIVE_S)
+                assert not began
+            except BaseException:
+                await mgr.aclose()
+                raise
+        await mgr.pinned
+        assert made.engine.prepared
+        await mgr.aclose()
+
+
+async def test_a_close_aborts_a_set_up_held_by_a_pause(
+    regions: list[tuple[int, int]],
+) -> None:
+    # The set-up waits at the pause (held by another task); a close aborts that wait at
+    # once instead of waiting for the pause to end (its unpins do wait for it).
+    made, backend = Made(), FakeBackend()
+    mgr = _manager(made, backend)
+    held, release = anyio.Event(), anyio.Event()
+
+    async def hold() -> None:
+        async with mgr.pinning_paused():
+            held.set()
+            await release.wait()
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hold)
+            await held.wait()  # before entry: the set-up cannot have begun
+            await mgr.__aenter__()
+            made.engine.let_prepare()
+            tg.start_soon(mgr.aclose)
+            with pytest.raises(anyio.ClosedResourceError):
+                await mgr.pinned  # the set-up gave up: the pause is still held
+            assert not made.engine.prepared
+            release.set()
+    assert mgr.state.value == "closed" and made.engine.closed
+    assert not is_mapped(*regions[0]) and backend.pinned_spans() == backend.unpinned_spans()
+
+
+async def test_an_attacher_sizes_default_chunks_from_the_region(
+    monkeypatch: pytest.MonkeyPatch, shm_name: str
+) -> None:
+    # The region's size is known only once attached: the default comes from it.
+    import asyncpin._opened as opened_module
+
+    sizes: list[int] = []
+
+    def default(nbytes: int) -> int:
+        sizes.append(nbytes)
+        return 8192
+
+    monkeypatch.setattr(opened_module, "default_chunk_bytes", default)
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager(
+            64 * 4096, backend=FakeBackend(), backing="shared", name=shm_name
+        ) as owner:
+            async with OffloadManager.attached(shm_name, backend=FakeBackend()) as other:
+                await other.pinned
+                assert sizes == [other.nbytes] == [owner.nbytes]
+                assert other.stats().chunk_bytes == 8192
+                assert other.stats().chunks_total == 64 * 4096 // 8192
+            async with OffloadManager.attached(
+                shm_name, backend=FakeBackend(), chunk_bytes=4096
+            ) as given:
+                assert given.stats().chunk_bytes == 4096 and len(sizes) == 1

@@ -102,6 +102,9 @@ class CudaTransferEngine:
         """The part of prepare() that needs no device: the copy kernel imported, the
         threads started."""
         kernel = load_kernel()
+        if kernel is None and self._kernel_methods:
+            # methods() offered pack and kernel: they run as batch, saying why.
+            self._misaligned = "Triton is installed but the copy kernel could not be imported"
         if kernel is not None and self._misaligned is not None:
             _log.warning("transfer.kernel_disabled", reason=self._misaligned, fallback="batch")
         self._copies.kernel = kernel if self._misaligned is None else None
