@@ -179,12 +179,12 @@ class Opened:
         wrapped in it must not see the set-up's allocations, compile or launches."""
         assert self.engine is not None
         gate = self.scheduler.gate
-        if not gate.enter_call(abort=self.scheduler.stop_event):
+        if not gate.enter_local(abort=self.scheduler.stop_event):
             raise anyio.ClosedResourceError("the manager closed before its engine was set up")
         try:
             self.engine.prepare()
         finally:
-            gate.exit_call()
+            gate.exit_local()
 
     def _settle_pinned(self) -> None:
         """``pinned``, from the pin pipeline's outcome and the engine's: the first failure

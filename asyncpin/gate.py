@@ -100,6 +100,24 @@ class PauseGate:
             _global_in_flight -= 1
             _cond.notify_all()
 
+    def enter_local(self, abort: threading.Event | None = None) -> bool:
+        """:meth:`enter_call` for a call that waits for the process-wide gate itself,
+        inside (the engine's set-up, through ``outside_captures()``): it waits while
+        either gate is held, but counts itself in flight for this gate only, so that a
+        capture that begins meanwhile never waits for a call that waits for it."""
+        with _cond:
+            while (self._holders or _global_holders) and not (abort and abort.is_set()):
+                _cond.wait()
+            if abort is not None and abort.is_set():
+                return False
+            self._in_flight += 1
+            return True
+
+    def exit_local(self) -> None:
+        with _cond:
+            self._in_flight -= 1
+            _cond.notify_all()
+
     def wake(self) -> None:
         """Wake waiters so they re-check their abort flag."""
         with _cond:

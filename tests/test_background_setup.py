@@ -18,7 +18,7 @@ and the pin pipeline's threads, started before it faults anything.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -52,6 +52,8 @@ class Made:
         self.engines: list[FakeEngine] = []
         self.fail = fail
         self.entered_prepare = threading.Event()
+        #: Called in the set-up's thread once the engine's prepare() returned.
+        self.after: Callable[[], None] | None = None
 
     def __call__(self, setup: EngineSetup) -> FakeEngine:
         engine = FakeEngine(setup, auto=True, background=True)
@@ -61,6 +63,8 @@ class Made:
         def prepare() -> None:
             entered.set()
             inner_prepare()
+            if self.after is not None:
+                self.after()
             if fail is not None:
                 raise fail
 
@@ -336,3 +340,34 @@ async def test_an_attacher_sizes_default_chunks_from_the_region(
                 shm_name, backend=FakeBackend(), chunk_bytes=4096
             ) as given:
                 assert given.stats().chunk_bytes == 4096 and len(sizes) == 1
+
+
+async def test_a_capture_that_begins_during_the_set_up_does_not_deadlock() -> None:
+    # The set-up is in flight for the manager's pause, and inside it waits for the
+    # process-wide gate itself (the CUDA engine's outside_captures()): a capture taking
+    # that gate meanwhile must not wait for the set-up, which waits for the capture.
+    from asyncpin import capture_gate
+    from asyncpin.gate import outside_captures
+
+    made = Made()
+    inside, captured = threading.Event(), threading.Event()
+    mgr = _manager(made, FakeBackend())
+    with anyio.fail_after(TIMEOUT_S):
+        async with mgr:
+            await wait_thread_event(made.entered_prepare)  # in flight, held by the test
+
+            def capture() -> None:
+                with capture_gate():  # as a capture_begin patched by the gate would
+                    captured.set()
+                    made.engine.let_prepare()
+                    assert inside.wait(NEGATIVE_S) is False  # the set-up waits for us
+
+            def set_up_device_work() -> None:
+                with outside_captures():
+                    inside.set()
+
+            made.after = set_up_device_work
+            await anyio.to_thread.run_sync(capture)
+            assert captured.is_set()
+            await mgr.pinned
+            assert inside.is_set()
