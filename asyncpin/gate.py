@@ -83,39 +83,37 @@ class PauseGate:
 
     def enter_call(self, abort: threading.Event | None = None) -> bool:
         """Block while paused; False if ``abort`` was set while waiting (no call made)."""
-        global _global_in_flight
-        with _cond:
-            while (self._holders or _global_holders) and not (abort and abort.is_set()):
-                _cond.wait()
-            if abort is not None and abort.is_set():
-                return False
-            self._in_flight += 1
-            _global_in_flight += 1
-            return True
+        return self._enter(abort, count_global=True)
 
     def exit_call(self) -> None:
-        global _global_in_flight
-        with _cond:
-            self._in_flight -= 1
-            _global_in_flight -= 1
-            _cond.notify_all()
+        self._exit(count_global=True)
 
     def enter_local(self, abort: threading.Event | None = None) -> bool:
         """:meth:`enter_call` for a call that waits for the process-wide gate itself,
         inside (the engine's set-up, through ``outside_captures()``): it waits while
         either gate is held, but counts itself in flight for this gate only, so that a
         capture that begins meanwhile never waits for a call that waits for it."""
+        return self._enter(abort, count_global=False)
+
+    def exit_local(self) -> None:
+        self._exit(count_global=False)
+
+    def _enter(self, abort: threading.Event | None, *, count_global: bool) -> bool:
+        global _global_in_flight
         with _cond:
             while (self._holders or _global_holders) and not (abort and abort.is_set()):
                 _cond.wait()
             if abort is not None and abort.is_set():
                 return False
             self._in_flight += 1
+            _global_in_flight += count_global
             return True
 
-    def exit_local(self) -> None:
+    def _exit(self, *, count_global: bool) -> None:
+        global _global_in_flight
         with _cond:
             self._in_flight -= 1
+            _global_in_flight -= count_global
             _cond.notify_all()
 
     def wake(self) -> None:

@@ -100,6 +100,7 @@ class ProbeCondition(threading.Condition):
 
     def wait(self, timeout: float | None = None) -> bool:
         caller = sys._getframe(1).f_code.co_name
+        caller = {"_enter": "enter_call"}.get(caller, caller)  # enter_call's wait
         if caller in self.waiting:
             self.waiting[caller].set()
         return super().wait(timeout)
