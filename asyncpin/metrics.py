@@ -29,7 +29,8 @@ transfers that finish after the collector was made.
 Gauges: ``asyncpin_region_bytes`` and ``asyncpin_pinned_bytes`` (size of the region,
 bytes pinned now), ``asyncpin_region_chunks``, ``asyncpin_pinned_chunks``,
 ``asyncpin_leaked_chunks`` (left mapped because their unpin failed), ``asyncpin_pinned``
-(1 while every chunk is pinned), ``asyncpin_pin_failed`` (1 if pinning failed),
+(1 while every chunk is pinned), ``asyncpin_pin_failed`` (1 if pinning or the engine's
+set-up failed: the manager will not be ready),
 ``asyncpin_transfers_in_flight``; in seconds: ``asyncpin_enter_seconds``,
 ``asyncpin_time_to_pinned_seconds``, ``asyncpin_slowest_pin_seconds`` (one pin call),
 ``asyncpin_unpin_seconds`` and ``asyncpin_close_seconds`` (no sample until known).
@@ -190,7 +191,11 @@ class OffloadCollector(Collector):
         )
         every_chunk = s.chunks_total > 0 and s.chunks_pinned == s.chunks_total
         yield gauge("pinned", "1 while every chunk is pinned", float(every_chunk))
-        yield gauge("pin_failed", "1 if pinning failed", float(s.error is not None))
+        yield gauge(
+            "pin_failed",
+            "1 if pinning or the engine's set-up failed",
+            float(s.error is not None),
+        )
         yield gauge("enter_seconds", "Seconds the manager took to enter", s.seconds_to_enter)
         yield gauge(
             "time_to_pinned_seconds",
