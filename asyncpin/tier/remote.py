@@ -296,6 +296,21 @@ class RemoteStats:
     queued_blocks: int
 
 
+class _Part:
+    """Payloads read and checked, with their hashes, handed from the reader to the
+    copier. Its sender clears it once handed (or not): the payloads then live only
+    where they are used."""
+
+    __slots__ = ("hashes", "payloads")
+
+    def __init__(self, hashes: Sequence[int | bytes], payloads: list[memoryview]) -> None:
+        self.hashes = hashes
+        self.payloads = payloads
+
+    def clear(self) -> None:
+        self.hashes, self.payloads = (), []
+
+
 class RemoteLink:
     """A tier's remote store: keys, the write-behind queue, fetches, counters.
 
@@ -539,13 +554,13 @@ class RemoteLink:
         handed over. An exception of ``into`` (or else of the reader) ends the fetch and
         is raised as itself; blocks never asked of the server are not counted."""
         asked = found = 0
-        send, receive = anyio.create_memory_object_stream[
-            tuple[Sequence[int | bytes], list[memoryview]]
-        ](1)
+        send, receive = anyio.create_memory_object_stream[_Part](1)
         reader_error: list[Exception] = []
 
         async def read() -> None:
             nonlocal asked, found
+            part: Sequence[int | bytes] = ()
+            got: list[memoryview] = []
             async with send:
                 try:
                     for lo in range(0, len(hashes), self.batch):
@@ -554,11 +569,20 @@ class RemoteLink:
                         got = await self._fetch_part(part)
                         found += len(got)
                         if got:
-                            await send.send((part[: len(got)], got))
+                            item = _Part(part[: len(got)], got)
+                            try:
+                                await send.send(item)
+                            except BaseException:
+                                # Cancelled in send(), the item stays in its frame,
+                                # which the cancellation's traceback keeps.
+                                item.clear()
+                                raise
                         if len(got) < len(part):
                             break
                 except Exception as exc:
                     reader_error.append(exc)
+                finally:  # a traceback that keeps this frame keeps no payload
+                    part, got = (), []
 
         handed = 0
         into_error: Exception | None = None
@@ -566,10 +590,15 @@ class RemoteLink:
             async with anyio.create_task_group() as tg, receive:
                 tg.start_soon(read)
                 try:
-                    async for part, payloads in receive:
-                        go_on = await into(part, payloads)
-                        handed += len(payloads)
-                        del part, payloads  # not kept alive by a traceback
+                    async for item in receive:
+                        part, payloads = item.hashes, item.payloads
+                        item.clear()
+                        count = len(payloads)
+                        try:
+                            go_on = await into(part, payloads)
+                        finally:  # not kept alive by a traceback that keeps this frame
+                            del part, payloads
+                        handed += count
                         if not go_on:
                             tg.cancel_scope.cancel()
                             break
