@@ -37,7 +37,6 @@ class Opened:
         self.pinned = pinned  # the manager's: pinning done and, for KV, the engine prepared
         # Settled when the engine's prepare() has returned or failed.
         self.engine_ready = PinnedSignal()
-        self.chunk_bytes = scheduler.chunk_bytes
         self.engine: TransferEngine | None = None
         self.router: TransferRouter | None = None
         self.host_blocks: torch.Tensor | None = None

@@ -179,7 +179,7 @@ class OffloadManager:
             raise anyio.ClosedResourceError("the manager was closed while it was entered")
         self._opened = opened
         self._nbytes = opened.region.nbytes
-        self._chunk_bytes = opened.chunk_bytes
+        self._chunk_bytes = opened.scheduler.chunk_bytes  # an attacher's, from its region
         self._life.opened()
         scheduler = opened.scheduler
         opened.start(self._tasks, self._log)  # they settle `pinned`, but for a close
