@@ -112,13 +112,15 @@ class TransferRouter:
                 direction=direction,
             )
             raise error from self._engine_error
-        if not self._prepared:
-            # The copy waits for what the caller's stream has queued now, as below.
+        needed = self._table.unpinned(self._spans(job.cpu_ids))
+        if not self._prepared and not (needed and self._policy == "pageable"):
+            # The copy waits for what the caller's stream has queued now, as below. (A
+            # pageable copy needs no set-up: it goes now, even while pinning_paused()
+            # holds the set-up back.)
             job.ready = self.engine.record_ready()
             self._track(transfer)
             self._unprepared.append(job)
             return transfer
-        needed = self._table.unpinned(self._spans(job.cpu_ids))
         if needed and self._policy == "wait":
             # A store must not copy blocks before the compute stream has produced them,
             # and a load must not overwrite blocks the compute stream is still reading:

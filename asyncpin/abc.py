@@ -89,7 +89,10 @@ class TransferEngine(Protocol):
       returned; ``methods()`` and ``record_ready()`` may. By default the manager's entry
       waits for it; an engine whose class sets ``prepare_in_background = True`` is
       prepared after entry, while pinning goes on: transfers submitted meanwhile wait
-      for it, and ``mgr.pinned`` includes it (its error, if it fails).
+      for it, and ``mgr.pinned`` includes it (its error, if it fails). Such an engine
+      takes ``submit(job, pageable=True)`` before ``prepare()`` has returned (or while
+      it runs): a pageable copy needs no set-up, and under the ``"pageable"`` policy it
+      does not wait for one that ``pinning_paused()`` holds back.
     - ``submit(job, pageable=...)`` is called on the event loop thread and never blocks
       it. It either raises, having queued nothing (the job is then not the engine's),
       or takes the job: it sets ``job.transfer.method`` and ``job.transfer.path``

@@ -285,6 +285,39 @@ async def test_the_set_up_waits_while_pinning_is_paused() -> None:
         await mgr.aclose()
 
 
+async def test_a_pageable_transfer_does_not_wait_for_a_set_up_held_by_a_pause(
+    regions: list[tuple[int, int]],
+) -> None:
+    # pinning_paused() holds pin and unpin calls only. With the "pageable" policy, a
+    # transfer whose chunks are not pinned copies through pageable memory at once, even
+    # while the pause holds the engine's set-up back (it waited for the pause until the
+    # pause ended). A transfer over pinned chunks would still wait for the set-up.
+    made, backend = Made(), FakeBackend()
+    mgr = OffloadManager.for_kv(
+        _layout(), 8, backend=backend, engine=made, chunk_bytes=8192, unpinned_policy="pageable"
+    )
+    with anyio.fail_after(TIMEOUT_S):
+        try:
+            async with mgr.pinning_paused():
+                await mgr.__aenter__()
+                made.engine.let_prepare()
+                store = mgr.store([0, 1], [2, 3])
+                load = mgr.load([4], [5])
+                # Routed at once, not queued behind the set-up.
+                assert [e.job.transfer for e in made.engine.submitted] == [store, load]
+                assert all(e.pageable for e in made.engine.submitted)
+                await store
+                await load
+                assert (store.path, load.path) == ("pageable", "pageable")
+                assert not made.engine.prepared and mgr.stats().chunks_pinned == 0
+                assert mgr.stats().transfers_pageable == 2
+            await mgr.pinned
+            assert made.engine.prepared
+        finally:
+            await mgr.aclose()  # after the pause: a close inside it is refused
+    assert not is_mapped(*regions[0]) and backend.pinned_spans() == backend.unpinned_spans()
+
+
 async def test_a_close_aborts_a_set_up_held_by_a_pause(
     regions: list[tuple[int, int]],
 ) -> None:

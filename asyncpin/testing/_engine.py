@@ -62,7 +62,8 @@ class FakeEngine:
       (from any thread) when ``hold_prepare()`` was called before.
 
     It refuses what the contract forbids of its caller: :meth:`submit` off the event
-    loop thread, before :meth:`prepare` or after :meth:`close`, and :meth:`close` while a
+    loop thread, before :meth:`prepare` (but for a pageable job of an engine prepared in
+    the background) or after :meth:`close`, and :meth:`close` while a
     job it took is not finished (RuntimeError).
     """
 
@@ -156,10 +157,9 @@ class FakeEngine:
 
     def submit(self, job: TransferJob, *, pageable: bool) -> None:
         self._check_loop("submit")
-        if not self.prepared or self.closed:
-            raise RuntimeError(
-                "submit() before prepare()" if not self.prepared else "submit() after close()"
-            )
+        early = not self.prepared and not (pageable and self.prepare_in_background)
+        if early or self.closed:
+            raise RuntimeError("submit() before prepare()" if early else "submit() after close()")
         if self._submit_errors:
             raise self._submit_errors.popleft()
         job.transfer.method = self.methods()[0]

@@ -18,6 +18,7 @@ driver calls a large store takes, and a load submitted next starts at once.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import structlog
@@ -90,6 +91,10 @@ class CudaTransferEngine:
         self._copies = CopyMethods(self._rt, self._plan, None)
         self._fallbacks_logged: set[str] = set()
         self._lanes: dict[Direction, Lane] = {}  # made by prepare()
+        # Pageable jobs' streams, one per direction, made by the first such job's worker
+        # thread: a pageable job may come before prepare() (the contract).
+        self._pageable: dict[Direction, torch.cuda.Stream] = {}
+        self._pageable_lock = threading.Lock()
         # Their threads start in prepare(): starting a thread maps its stack, which waits
         # for the process's memory-map lock while pinning holds it (tens of ms).
         self._completion = Completion(hooks)
@@ -234,8 +239,12 @@ class CudaTransferEngine:
 
     def _copy_pageable(self, job: TransferJob) -> None:
         """In a worker thread: the job's copy on its direction's pageable stream."""
-        stream = self._lanes[job.transfer.direction].pageable
+        direction = job.transfer.direction
         with outside_captures(), on_device(self._index):
+            with self._pageable_lock:
+                stream = self._pageable.get(direction)
+                if stream is None:
+                    stream = self._pageable[direction] = torch.cuda.Stream(self._device)
             self._copies.pageable(job, stream)
 
     def _enqueue(self, job: TransferJob, method: str) -> None:

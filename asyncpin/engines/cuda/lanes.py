@@ -29,7 +29,6 @@ class Lane:
     def __init__(self, rt: Runtime, device: torch.device, max_ids: int) -> None:
         self.kernel = torch.cuda.Stream(device)
         self.dma = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        self.pageable = torch.cuda.Stream(device)  # used from a worker thread only
         # Recorded and waited on by one thread at a time (the event loop's, or for stores
         # the submitter's while it is busy), in job order: shared by all jobs.
         self.ready = rt.event()  # the caller's stream at submission
