@@ -5,12 +5,14 @@ import triton.language as tl
 
 
 # Triton compiles a variant per alignment of each pointer and per value class of each
-# integer (1, a multiple of 16, other) it is given. The id arrays' alignment, the segment
-# count, the host base and stride (a staging slot's depend on the arrays a job moves) and
-# the range of arrays change from one transfer to the next: compiling a variant
-# mid-serving stalls the submitting thread, and loading it breaks a CUDA graph capture
-# under way on another thread. So those are not specialised; the tables are fixed per
-# layout.
+# integer (1, a multiple of 16, other; 32 or 64 bits) it is given. The id arrays'
+# alignment, the segment count, the host base and stride (a staging slot's depend on the
+# arrays a job moves) and the range of arrays change from one transfer to the next:
+# compiling a variant mid-serving stalls the submitting thread, and loading it breaks a
+# CUDA graph capture under way on another thread. So those are not specialised, and the
+# integers are 64-bit whatever their value; the tables are fixed per layout. One variant
+# per direction, then, which the engine launches directly once compiled
+# (``asyncpin.engines.cuda.methods``).
 @triton.jit(
     do_not_specialize=[
         "gpu_ids",
@@ -29,11 +31,11 @@ def kv_copy(
     array_strides,
     array_words,
     array_offsets,
-    host_base,
-    host_stride,
-    first_array,
-    n_segments,
-    n_arrays,
+    host_base: tl.int64,
+    host_stride: tl.int64,
+    first_array: tl.int64,
+    n_segments: tl.int64,
+    n_arrays: tl.int64,
     TO_HOST: tl.constexpr,
     BLOCK: tl.constexpr,
 ):

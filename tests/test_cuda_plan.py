@@ -438,3 +438,76 @@ def test_the_kernel_is_refused_for_an_array_of_a_size_not_in_words() -> None:
         array_ptrs=ptrs, array_strides=strides, array_bytes=[576, 134], host_bases=[BASE]
     )
     assert verdict is not None and "array 1's block size" in verdict
+
+
+class TestRunsOnDevice:
+    """A job whose two id lists are runs of consecutive ids (one block always is) takes
+    its device ids as slices of the table 0, 1, 2, ... (no upload); any other job None."""
+
+    @staticmethod
+    def _methods() -> Any:
+        from asyncpin.engines.cuda.methods import CopyMethods
+
+        copies = CopyMethods(object(), _plan(64, 1 << 20), None)  # type: ignore[arg-type]
+        copies.to_device(torch.device("cpu"), 100)
+        return copies
+
+    @pytest.mark.parametrize(
+        ("first", "second"),
+        [([7], [0]), ([99], [99]), ([3, 4], [10, 11]), (list(range(5, 37)), list(range(60, 92)))],
+    )
+    def test_runs_are_table_slices(self, first: list[int], second: list[int]) -> None:
+        runs = self._methods().runs_on_device(first, second)
+        assert runs is not None
+        assert runs[0].tolist() == first and runs[1].tolist() == second
+
+    @pytest.mark.parametrize(
+        ("first", "second"),
+        [
+            ([3, 5], [0, 1]),  # a gap
+            ([4, 3], [0, 1]),  # descending
+            ([0, 1], [2, 2]),  # a repeat
+            ([1, 3, 3], [0, 1, 2]),  # ends match a run, the middle does not
+            ([0, 1, 2], [0, 2, 2]),
+            ([2, 1, 2], [5, 6, 7]),
+        ],
+    )
+    def test_anything_else_is_none(self, first: list[int], second: list[int]) -> None:
+        assert self._methods().runs_on_device(first, second) is None
+
+
+class TestPreparedLaunches:
+    """Launches skip the JIT function only on the tested Triton, and only when prepare's
+    launches of each direction all returned one compiled kernel."""
+
+    @staticmethod
+    def _methods() -> Any:
+        from asyncpin.engines.cuda.methods import CopyMethods
+
+        return CopyMethods(object(), _plan(64, 1 << 20), None)  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize("tested", [True, False])
+    def test_one_variant_per_direction(self, monkeypatch: pytest.MonkeyPatch, tested: bool) -> None:
+        import asyncpin.engines.cuda.methods as m
+
+        monkeypatch.setattr(m, "direct_launch_tested", lambda: tested)
+        copies = self._methods()
+        store: dict[Any, Any] = {}  # anything with __getitem__, as a compiled kernel has
+        load: dict[Any, Any] = {}
+        copies.prepared_launches({True: [store, store, store], False: [load, load]})
+        assert copies._direct is tested
+        assert copies._compiled == ({True: store, False: load} if tested else {})
+        copies.release()
+        assert not copies._direct and not copies._compiled
+
+    def test_two_variants_of_a_direction_keep_the_jit_path(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        import asyncpin.engines.cuda.methods as m
+
+        monkeypatch.setattr(m, "direct_launch_tested", lambda: True)
+        copies = self._methods()
+        copies.prepared_launches({True: [{}, {}], False: [{}]})  # two distinct objects
+        assert not copies._direct
+        copies.prepared_launches({True: [None], False: [None]})  # nothing compiled
+        assert not copies._direct

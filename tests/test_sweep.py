@@ -237,6 +237,7 @@ async def test_stores_stay_on_the_loop_while_threads_starve(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with _submitting(monkeypatch) as (engine, threaded, on_loop):
+        engine.loop_store_max_bytes = 0  # as a store over 64 MiB
         large = _job("store", blocks=10)  # 160 segments: the submitter's, normally
         engine.submit(large, pageable=False)
         assert threaded == [large] and on_loop == []
@@ -244,6 +245,17 @@ async def test_stores_stay_on_the_loop_while_threads_starve(
         starved = _job("store", blocks=10)
         engine.submit(starved, pageable=False)
         assert threaded == [large] and on_loop == [starved]
+
+
+async def test_stores_up_to_the_loop_limit_are_queued_on_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with _submitting(monkeypatch) as (engine, threaded, on_loop):
+        engine.loop_store_max_bytes = 4096 * 10
+        at_limit, over = _job("store", blocks=10), _job("store", blocks=11)
+        engine.submit(at_limit, pageable=False)
+        engine.submit(over, pageable=False)
+        assert on_loop == [at_limit] and threaded == [over]
 
 
 def test_a_waiter_skips_what_the_loop_has_finished() -> None:

@@ -121,7 +121,7 @@ async def _case(
         }
         for k, v in row.items():
             steps.setdefault(k, []).append(v * 1e6)
-    out = {k: median(v) for k, v in steps.items()}
+    out: dict[str, Any] = {k: median(v) for k, v in steps.items()}
     out["gpu_us"] = median(
         [e - s for s, e in zip(steps["gpu_start"], steps["gpu_end"], strict=True)]
     )

@@ -54,6 +54,11 @@ class CudaTransferEngine:
     prepare_in_background = True
     # Large stores go to the submitter thread (False: every store is queued by the caller).
     thread_stores = True
+    # Stores of at most this many bytes are queued on the event loop, as loads are: the
+    # hop to the submitter thread cost more than their queuing (H200, 32 KiB blocks: a
+    # 32 MiB store resumed after 1.36 ms queued on the loop, 1.62 ms through the thread;
+    # 256 MiB ones alike, 6.2 ms, while queuing held the loop 1.1 ms: bench/RESULTS.md).
+    loop_store_max_bytes = 64 << 20
 
     def __init__(self, setup: EngineSetup) -> None:
         layout, host_blocks = setup.layout, setup.host_blocks
@@ -135,7 +140,7 @@ class CudaTransferEngine:
         # A store's host blocks are distinct, and so are a load's device blocks.
         max_ids = {"store": self._num_host_blocks, "load": layout.num_blocks}
         with outside_captures(), torch.cuda.device(self._index):
-            copies.to_device(self._device)
+            copies.to_device(self._device, max(layout.num_blocks, self._num_host_blocks))
             for d in ("store", "load"):
                 lane = Lane(rt, self._device, max_ids[d] if copies.kernel else 0)
                 whole = self._plan.all_arrays
@@ -147,12 +152,17 @@ class CudaTransferEngine:
                 self._lanes[d] = lane
             if copies.kernel is None:
                 return
+            compiled: dict[bool, list[Any]] = {}
             for d, lane in self._lanes.items():
                 ids = lane.ids[:2].view(2, 1)
-                with torch.cuda.stream(lane.kernel):
-                    for base in (self._plan.host_base, *(h for h in lane.halves if h)):
-                        copies.launch(ids, base, to_host=d == "store", ctas=1, count=0)
+                for base in (self._plan.host_base, *(h for h in lane.halves if h)):
+                    to_host = d == "store"
+                    kernel = copies.launch(
+                        lane.kernel, ids[0], ids[1], base, to_host=to_host, ctas=1, count=0
+                    )
+                    compiled.setdefault(to_host, []).append(kernel)
                 lane.kernel.synchronize()
+            copies.prepared_launches(compiled)
 
     def record_ready(self) -> Any:
         event = torch.cuda.Event()
@@ -224,13 +234,15 @@ class CudaTransferEngine:
             self._submitter.busy()
             or (
                 self.thread_stores
+                and job.transfer.nbytes > self.loop_store_max_bytes
                 and not is_small(job.transfer.num_blocks, len(job.arrays or self._plan.all_arrays))
                 and not self._completion.starved()
             )
         ):
-            # Stores are queued by the submitter thread unless small and nothing is ahead
-            # of them there. Loads are queued here, on the calling thread, so that
-            # ``transfer.event`` is recorded by the time load() returns.
+            # Stores are queued by the submitter thread unless small (in segments or in
+            # bytes) and nothing is ahead of them there. Loads are queued here, on the
+            # calling thread, so that ``transfer.event`` is recorded by the time load()
+            # returns.
             if job.ready is None:
                 job.ready = self.record_ready()  # the caller's stream, as of now
             self._submitter.submit(job, method)

@@ -44,11 +44,23 @@ __all__ = ["KERNEL_CTAS", "CopyMethods", "kernel_importable", "load_kernel", "on
 # model (BENCH.md: 8 CTAs reach 50 GB/s D2H, H2D needs 32).
 KERNEL_CTAS = {"store": 16, "load": 32}
 _PACK_CTAS = 132
+_KERNEL_BLOCK = 512  # words a program moves per step
 
 
 def kernel_importable() -> bool:
     """Whether Triton is installed (found without importing it)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def direct_launch_tested() -> bool:
+    """Whether this Triton's compiled kernels are launched as Triton 3.6's are (every
+    argument, constexprs too, after the stream): the one version that path ran on. With
+    another, every launch goes through the JIT function."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    return str(triton.__version__).startswith("3.6.")
 
 
 def load_kernel() -> Any:
@@ -77,19 +89,47 @@ class CopyMethods:
         self._rt = rt
         self._plan = plan
         self.kernel = kernel
-        # The array table on the device, for the copy kernel: to_device() at prepare.
+        # The array table on the device, for the copy kernel, and the ids 0, 1, 2, ...:
+        # to_device() at prepare.
         self._tables: tuple[torch.Tensor, ...] = ()
+        self._identity = torch.empty(0, dtype=torch.int64)
+        # The compiled copy kernel of each direction (TO_HOST), once launched through the
+        # JIT function: later launches skip its argument binding and specialisation (about
+        # 60 us a launch) and torch's current-stream switch (``prepared_launches``).
+        self._compiled: dict[bool, Any] = {}
+        self._direct = False
 
-    def to_device(self, device: torch.device) -> None:
+    def to_device(self, device: torch.device, max_id: int) -> None:
+        """The copy kernel's tables on ``device``, and ids up to ``max_id`` (exclusive)."""
         plan = self._plan
         words = plan.bytes_cpu // KERNEL_WORD
         self._tables = tuple(
             t.to(device) for t in (plan.ptrs_cpu, plan.strides_cpu, words, plan.offsets_cpu)
         )
+        self._identity = torch.arange(max_id, dtype=torch.int64, device=device)
 
     def release(self) -> None:
         """Device memory back to torch's allocator (at close)."""
         self._tables = ()
+        self._identity = torch.empty(0, dtype=torch.int64)
+        self._compiled.clear()
+        self._direct = False
+
+    def prepared_launches(self, compiled: dict[bool, list[Any]]) -> None:
+        """After prepare's launches through the JIT function (``compiled``: what each
+        direction's launches returned): later launches go straight to the compiled kernel
+        where this Triton is the tested one and each direction compiled one variant only
+        (so no argument of a later launch can call for another)."""
+        self._compiled.clear()
+        self._direct = False
+        if not direct_launch_tested():
+            return
+        for to_host, kernels in compiled.items():
+            first = kernels[0]
+            if not all(k is first for k in kernels) or not hasattr(first, "__getitem__"):
+                return
+            self._compiled[to_host] = first
+        self._direct = True
 
     # -- ordering -----------------------------------------------------------------------
 
@@ -185,6 +225,20 @@ class CopyMethods:
 
     # -- the copy kernel ----------------------------------------------------------------
 
+    def runs_on_device(
+        self, first: list[int], second: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Both id lists as device int64 arrays without an upload when each is a run of
+        consecutive ids (a job of one block always is): slices of the table of ids
+        0, 1, 2, ... made at prepare. None otherwise."""
+        n, a, b = len(first), first[0], second[0]
+        if first[-1] - a != n - 1 or second[-1] - b != n - 1:
+            return None
+        if n > 2 and (first != list(range(a, a + n)) or second != list(range(b, b + n))):
+            return None
+        table = self._identity
+        return table[a : a + n], table[b : b + n]
+
     def ids_on_device(self, lane: Lane, first: list[int], second: list[int]) -> torch.Tensor:
         """``[2, n]`` int64 ids in the lane's device buffer, copied on its kernel stream, on
         which every reader of the buffer runs (n > 0: empty jobs finish in ``submit``).
@@ -207,7 +261,9 @@ class CopyMethods:
 
     def launch(
         self,
-        ids: torch.Tensor,
+        stream: torch.cuda.Stream,
+        gpu_ids: torch.Tensor,
+        cpu_ids: torch.Tensor,
         host_base: int,
         *,
         to_host: bool,
@@ -215,12 +271,13 @@ class CopyMethods:
         arrays: range | None = None,
         slot: bool = False,
         count: int = -1,
-    ) -> None:
-        """The copy kernel on the current torch stream: block ``ids[0, i]`` of each array
-        of ``arrays`` (all by default) to or from host block ``ids[1, i]`` of the region at
-        ``host_base``, or (``slot``) to or from slot ``ids[1, i]`` of a staging buffer at
-        ``host_base`` whose slots hold the arrays' span; ``count`` blocks (all of ``ids``
-        by default)."""
+    ) -> Any:
+        """The copy kernel on ``stream``: block ``gpu_ids[i]`` of each array
+        of ``arrays`` (all by default) to or from host block ``cpu_ids[i]`` of the region
+        at ``host_base``, or (``slot``) to or from slot ``cpu_ids[i]`` of a staging buffer
+        at ``host_base`` whose slots hold the arrays' span; ``count`` blocks (all of the
+        ids by default). Returns what the JIT function returned (the compiled kernel), or
+        None when launched directly."""
         plan = self._plan
         assert self.kernel is not None
         arrays = plan.all_arrays if arrays is None else arrays
@@ -229,32 +286,42 @@ class CopyMethods:
             host_base -= offset  # the span's first array lies at the slot's start
         else:
             stride = plan.host_stride
-        n_segments = (ids.shape[1] if count < 0 else count) * len(arrays)
-        self.kernel[(max(min(ctas, n_segments), 1),)](
-            ids[0],
-            ids[1],
+        n_segments = (gpu_ids.shape[0] if count < 0 else count) * len(arrays)
+        grid = max(min(ctas, n_segments), 1)
+        args = (
+            gpu_ids,
+            cpu_ids,
             *self._tables,
             host_base,
             stride,
             arrays.start,
             n_segments,
             len(arrays),
-            TO_HOST=to_host,
-            BLOCK=512,
         )
+        if self._direct:
+            # As the JIT function launches it: every argument, the constexprs last.
+            self._compiled[to_host][(grid, 1, 1)](
+                *args, to_host, _KERNEL_BLOCK, stream=stream.cuda_stream
+            )
+            return None
+        with torch.cuda.stream(stream):
+            return self.kernel[(grid,)](*args, TO_HOST=to_host, BLOCK=_KERNEL_BLOCK)
 
     def uva_kernel(self, job: TransferJob, lane: Lane) -> torch.cuda.Stream:
         direction = job.transfer.direction
         self.start(lane.kernel, job, lane)
-        with torch.cuda.stream(lane.kernel):
+        runs = self.runs_on_device(job.gpu_ids, job.cpu_ids)
+        if runs is None:
             ids = self.ids_on_device(lane, job.gpu_ids, job.cpu_ids)
-            self.launch(
-                ids,
-                self._plan.host_base,
-                to_host=direction == "store",
-                ctas=KERNEL_CTAS[direction],
-                arrays=job.arrays,
-            )
+            runs = ids[0], ids[1]
+        self.launch(
+            lane.kernel,
+            *runs,
+            self._plan.host_base,
+            to_host=direction == "store",
+            ctas=KERNEL_CTAS[direction],
+            arrays=job.arrays,
+        )
         return lane.kernel
 
     def pack(self, job: TransferJob, lane: Lane) -> torch.cuda.Stream:
@@ -277,44 +344,58 @@ class CopyMethods:
             # write; the staging halves order them after earlier loads.
             for stream in dma:
                 self.after_caller(stream, job, lane)
-        with torch.cuda.stream(kernel):
-            # The slot of block i: i % per_piece.
-            ids = self.ids_on_device(lane, job.gpu_ids, pack_slots(n, per_piece))
-            pieces = plan.pack_pieces(
-                job.cpu_ids,
-                per_piece=per_piece,
-                halves=lane.halves,
-                first_half=lane.half,
-                arrays=arrays,
+        # The slot of block i: i % per_piece.
+        ids = self.ids_on_device(lane, job.gpu_ids, pack_slots(n, per_piece))
+        pieces = plan.pack_pieces(
+            job.cpu_ids,
+            per_piece=per_piece,
+            halves=lane.halves,
+            first_half=lane.half,
+            arrays=arrays,
+        )
+        for piece in pieces:
+            lane.half = piece.half ^ 1
+            staging, free = lane.halves[piece.half], lane.free[piece.half]
+            piece_ids = (
+                ids[0, piece.lo : piece.lo + per_piece],
+                ids[1, piece.lo : piece.lo + per_piece],
             )
-            for piece in pieces:
-                lane.half = piece.half ^ 1
-                staging, free = lane.halves[piece.half], lane.free[piece.half]
-                piece_ids = ids[:, piece.lo : piece.lo + per_piece]
-                ranges = piece.dmas
-                job.keep.append(ranges)
-                if store:
-                    # The half is free once both DMA streams have read it; neither DMA
-                    # stream waits for the other.
-                    for event in free:
-                        rt.wait(kernel.cuda_stream, event)
-                    self.launch(
-                        piece_ids, staging, to_host=True, ctas=_PACK_CTAS, arrays=arrays, slot=True
-                    )
-                    rt.record(lane.step, kernel.cuda_stream)
-                    for k, (host, local, sizes) in enumerate(ranges):
-                        rt.wait(dma[k].cuda_stream, lane.step)
-                        rt.copy_segments(host, local, sizes, dma[k].cuda_stream)
-                        rt.record(free[k], dma[k].cuda_stream)
-                else:
-                    for k, (host, local, sizes) in enumerate(ranges):
-                        rt.wait(dma[k].cuda_stream, free[k])
-                        rt.copy_segments(local, host, sizes, dma[k].cuda_stream)
-                        rt.record(lane.moved[k], dma[k].cuda_stream)
-                        rt.wait(kernel.cuda_stream, lane.moved[k])
-                    self.launch(
-                        piece_ids, staging, to_host=False, ctas=_PACK_CTAS, arrays=arrays, slot=True
-                    )
-                    for event in free:
-                        rt.record(event, kernel.cuda_stream)
+            ranges = piece.dmas
+            job.keep.append(ranges)
+            if store:
+                # The half is free once both DMA streams have read it; neither DMA
+                # stream waits for the other.
+                for event in free:
+                    rt.wait(kernel.cuda_stream, event)
+                self.launch(
+                    kernel,
+                    *piece_ids,
+                    staging,
+                    to_host=True,
+                    ctas=_PACK_CTAS,
+                    arrays=arrays,
+                    slot=True,
+                )
+                rt.record(lane.step, kernel.cuda_stream)
+                for k, (host, local, sizes) in enumerate(ranges):
+                    rt.wait(dma[k].cuda_stream, lane.step)
+                    rt.copy_segments(host, local, sizes, dma[k].cuda_stream)
+                    rt.record(free[k], dma[k].cuda_stream)
+            else:
+                for k, (host, local, sizes) in enumerate(ranges):
+                    rt.wait(dma[k].cuda_stream, free[k])
+                    rt.copy_segments(local, host, sizes, dma[k].cuda_stream)
+                    rt.record(lane.moved[k], dma[k].cuda_stream)
+                    rt.wait(kernel.cuda_stream, lane.moved[k])
+                self.launch(
+                    kernel,
+                    *piece_ids,
+                    staging,
+                    to_host=False,
+                    ctas=_PACK_CTAS,
+                    arrays=arrays,
+                    slot=True,
+                )
+                for event in free:
+                    rt.record(event, kernel.cuda_stream)
         return self.join(lane) if store else kernel
