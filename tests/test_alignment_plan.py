@@ -168,7 +168,10 @@ class TestEngineChoice:
         layout = offset_layout(offset, 112)
         with capture_logs() as logs, _engine(monkeypatch, layout) as engine:
             assert engine._choose(_job("auto"), pageable=False) == "pack"
-            assert engine._choose(_job("auto", 1), pageable=False) == "batch"
+            assert engine._choose(_job("auto", 1), pageable=False) == "kernel"  # a run
+            scattered = _job("auto", 2)
+            scattered.gpu_ids = [5, 3]
+            assert engine._choose(scattered, pageable=False) == "batch"
             assert engine._choose(_job("pack"), pageable=False) == "pack"
             assert engine._choose(_job("kernel"), pageable=False) == "kernel"
             assert engine._choose(_job("pack"), pageable=True) == "batch"

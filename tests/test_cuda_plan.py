@@ -19,6 +19,7 @@ from asyncpin.engines.cuda.plan import (
     AddressPlan,
     PackPiece,
     choose_method,
+    is_run,
     is_small,
     kernel_misalignment,
     pack_slots,
@@ -298,6 +299,7 @@ def _choose(
     kernel: bool = True,
     staged: bool = True,
     partial: bool = False,
+    runs: bool = False,
 ) -> tuple[str, int]:
     """The method chosen, and how many times staging was asked for."""
     asked: list[int] = []
@@ -315,6 +317,7 @@ def _choose(
         kernel_usable=kernel,
         staged=stage,
         partial=partial,
+        runs=lambda: runs,
     )
     return method, len(asked)
 
@@ -338,6 +341,15 @@ class TestChooseMethod:
 
     def test_auto_small_is_batch(self) -> None:
         assert _choose("auto", blocks=16, arrays=4) == ("batch", 0)
+
+    def test_auto_small_runs_of_small_blocks_are_kernel(self) -> None:
+        assert _choose("auto", blocks=1, arrays=64, runs=True) == ("kernel", 0)
+        assert _choose("auto", blocks=16, arrays=4, runs=True) == ("kernel", 0)
+        # Not with blocks of 1 MiB and more, nor without a usable kernel, nor if not small.
+        assert _choose("auto", blocks=1, block_bytes=1 << 20, runs=True) == ("batch", 0)
+        assert _choose("auto", blocks=1, kernel=False, runs=True) == ("batch", 0)
+        assert _choose("auto", blocks=17, arrays=4, runs=True) == ("pack", 1)
+        assert _choose("auto", blocks=1, pageable=True, runs=True) == ("batch", 0)
 
     def test_auto_large_blocks_is_batch(self) -> None:
         assert _choose("auto", block_bytes=1 << 20) == ("batch", 0)
@@ -474,6 +486,24 @@ class TestRunsOnDevice:
     )
     def test_anything_else_is_none(self, first: list[int], second: list[int]) -> None:
         assert self._methods().runs_on_device(first, second) is None
+
+
+@pytest.mark.parametrize(
+    ("ids", "run"),
+    [
+        ([5], True),
+        ([5, 6], True),
+        ([0, 1, 2, 3], True),
+        ([6, 5], False),
+        ([1, 3], False),
+        ([2, 2], False),
+        ([1, 3, 3], False),
+        ([1, 1, 3], False),
+        ([0, 2, 1, 3], False),
+    ],
+)
+def test_is_run(ids: list[int], run: bool) -> None:
+    assert is_run(ids) is run
 
 
 class TestPreparedLaunches:

@@ -34,6 +34,7 @@ from asyncpin.engines.cuda.plan import (
     KERNEL_WORD,
     AddressPlan,
     choose_method,
+    is_run,
     is_small,
     kernel_misalignment,
 )
@@ -193,6 +194,7 @@ class CudaTransferEngine:
             kernel_usable=kernel_usable,
             staged=lambda: self._staged(job),
             partial=job.arrays is not None,
+            runs=lambda: is_run(job.gpu_ids) and is_run(job.cpu_ids),
         )
 
     def _staged(self, job: TransferJob) -> bool:

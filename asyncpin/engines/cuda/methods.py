@@ -32,6 +32,7 @@ from asyncpin.engines.cuda.plan import (
     BATCH_MIN_BLOCK_BYTES,
     KERNEL_WORD,
     AddressPlan,
+    is_run,
     is_small,
     pack_slots,
 )
@@ -231,12 +232,9 @@ class CopyMethods:
         """Both id lists as device int64 arrays without an upload when each is a run of
         consecutive ids (a job of one block always is): slices of the table of ids
         0, 1, 2, ... made at prepare. None otherwise."""
-        n, a, b = len(first), first[0], second[0]
-        if first[-1] - a != n - 1 or second[-1] - b != n - 1:
+        if not (is_run(first) and is_run(second)):
             return None
-        if n > 2 and (first != list(range(a, a + n)) or second != list(range(b, b + n))):
-            return None
-        table = self._identity
+        n, a, b, table = len(first), first[0], second[0], self._identity
         return table[a : a + n], table[b : b + n]
 
     def ids_on_device(self, lane: Lane, first: list[int], second: list[int]) -> torch.Tensor:

@@ -95,6 +95,14 @@ def is_small(num_blocks: int, num_arrays: int) -> bool:
     return num_blocks * num_arrays <= SMALL_SEGMENTS
 
 
+def is_run(ids: list[int]) -> bool:
+    """Whether ``ids`` (not empty) are consecutive and ascending: ``a, a + 1, ...``."""
+    n, a = len(ids), ids[0]
+    if ids[-1] - a != n - 1:
+        return False
+    return n <= 2 or ids == list(range(a, a + n))
+
+
 def choose_method(
     requested: str,
     *,
@@ -105,6 +113,7 @@ def choose_method(
     kernel_usable: bool,
     staged: Callable[[], bool],
     partial: bool = False,
+    runs: Callable[[], bool] = lambda: False,
 ) -> str:
     """The method a job runs with. Never the copy kernel (pack, kernel) unless
     ``kernel_usable`` (Triton is there and the layout is safe for it: a misaligned access
@@ -114,12 +123,18 @@ def choose_method(
     blocks of it go by the copy kernel, not pack, since such a job's host bytes are one
     strided piece per block and pack would plan and queue a DMA for each (H200: 32 groups of
     2048 blocks took 136 ms of CPU to queue by pack, 25 ms by kernel; the GPU moved them at
-    55 and 51 GB/s): bench/RESULTS.md#layerwise."""
+    55 and 51 GB/s): bench/RESULTS.md#layerwise. ``runs()`` says whether both id lists
+    are runs of consecutive ids (one block always is): such a small job of small blocks goes
+    by the copy kernel, its ids read from a table on the device (one launch: a one-block
+    Llama store resumed after 197 us at p50, against 237 us for 64 DMAs in one batched
+    call, on the H200: bench/RESULTS.md#await-latency)."""
     if pageable or not kernel_usable:
         return "batch"
     if requested != "auto":
         method = requested
     elif is_small(num_blocks, num_arrays):
+        if num_blocks and block_bytes < BATCH_MIN_BLOCK_BYTES and runs():
+            return "kernel"
         return "batch"
     elif block_bytes >= BATCH_MIN_BLOCK_BYTES:
         method = "batch"
