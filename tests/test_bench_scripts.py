@@ -89,4 +89,5 @@ def test_a_bad_size_is_a_usage_error(tmp_path: Path) -> None:
 
 
 def test_the_gpu_pass_parses() -> None:
-    subprocess.run(["bash", "-n", str(BENCH / "gpu_pass.sh")], check=True, timeout=30)
+    for script in ("gpu_pass.sh", "transfers_ab.sh"):
+        subprocess.run(["bash", "-n", str(BENCH / script)], check=True, timeout=30)
