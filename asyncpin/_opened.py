@@ -120,7 +120,13 @@ class Opened:
         self.host_blocks = host_bytes_view(
             self.region.view(), layout, config.num_host_blocks, config.host_slice
         )
-        setup = EngineSetup(layout, self.host_blocks, chunk_bytes, tasks.start_soon)
+        setup = EngineSetup(
+            layout,
+            self.host_blocks,
+            chunk_bytes,
+            tasks.start_soon,
+            host_registered=self.scheduler.backend.name == "cuda",
+        )
         self.engine = make_engine(config.engine, setup)
         self.router = TransferRouter(
             layout=layout,

@@ -87,6 +87,7 @@ class TransferRouter:
         self._prepared = False
         self._engine_error: BaseException | None = None
         self._unprepared: deque[TransferJob] = deque()
+        self._pageable_early = bool(getattr(engine, "pageable_before_prepare", False))
 
     async def drained(self) -> None:
         """Returns once no transfer is in flight (their device work is done)."""
@@ -113,10 +114,11 @@ class TransferRouter:
             )
             raise error from self._engine_error
         needed = self._table.unpinned(self._spans(job.cpu_ids))
-        if not self._prepared and not (needed and self._policy == "pageable"):
+        early = needed and self._policy == "pageable" and self._pageable_early
+        if not self._prepared and not early:
             # The copy waits for what the caller's stream has queued now, as below. (A
-            # pageable copy needs no set-up: it goes now, even while pinning_paused()
-            # holds the set-up back.)
+            # pageable copy of an engine that takes one before its set-up goes now,
+            # even while pinning_paused() holds the set-up back.)
             job.ready = self.engine.record_ready()
             self._track(transfer)
             self._unprepared.append(job)

@@ -75,6 +75,11 @@ class EngineSetup:
     #: on the event loop; the manager cancels what is left of them at close, after every
     #: submitted job has finished. Call it from the event loop thread only.
     start_soon: Callable[..., object]
+    #: Whether pinned chunks are registered with the device's driver (the ``cuda``
+    #: backend's ``cudaHostRegister``), so that device code may read and write them
+    #: through unified addressing. False with a backend that only locks them (``host``,
+    #: or one of your own): copies of such chunks must then be DMAs.
+    host_registered: bool = True
 
 
 @runtime_checkable
@@ -86,13 +91,15 @@ class TransferEngine(Protocol):
     - Made on the event loop from an :class:`EngineSetup`; then ``prepare()`` is called
       once, in a worker thread: it allocates device resources and compiles kernels, so
       that nothing of it happens mid-serving. No ``submit()`` comes before it has
-      returned; ``methods()`` and ``record_ready()`` may. By default the manager's entry
-      waits for it; an engine whose class sets ``prepare_in_background = True`` is
-      prepared after entry, while pinning goes on: transfers submitted meanwhile wait
-      for it, and ``mgr.pinned`` includes it (its error, if it fails). Such an engine
-      takes ``submit(job, pageable=True)`` before ``prepare()`` has returned (or while
-      it runs): a pageable copy needs no set-up, and under the ``"pageable"`` policy it
-      does not wait for one that ``pinning_paused()`` holds back.
+      returned (but pageable jobs, below); ``methods()`` and ``record_ready()`` may. By
+      default the manager's entry waits for it; an engine whose class sets
+      ``prepare_in_background = True`` is prepared after entry, while pinning goes on:
+      transfers submitted meanwhile wait for it, and ``mgr.pinned`` includes it (its
+      error, if it fails). One that also sets
+      ``pageable_before_prepare = True`` takes ``submit(job, pageable=True)`` before
+      ``prepare()`` has returned (or while it runs): under the ``"pageable"`` policy
+      such a job goes at once instead of waiting for a set-up that ``pinning_paused()``
+      may hold back.
     - ``submit(job, pageable=...)`` is called on the event loop thread and never blocks
       it. It either raises, having queued nothing (the job is then not the engine's),
       or takes the job: it sets ``job.transfer.method`` and ``job.transfer.path``

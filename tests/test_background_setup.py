@@ -4,7 +4,8 @@ and the pin pipeline's threads, started before it faults anything.
 - Entry returns before the engine is prepared; ``pinned`` and ``is_pinned()`` wait for the
   preparation as well as for the chunks.
 - Transfers submitted meanwhile reach the engine only once it is prepared, in submission
-  order; bad input is refused at once, with nothing queued.
+  order (a pageable one at once, if the engine takes it before: ``pageable_before_prepare``);
+  bad input is refused at once, with nothing queued.
 - A preparation that fails: ``pinned`` raises its error, the waiting transfers fail with a
   TransferError that chains it, later ones are refused, and the close still releases
   everything (the engine closed in a worker thread).
@@ -48,9 +49,10 @@ def _layout() -> KVLayout:
 class Made:
     """The engines a manager made (FakeEngine in the background, held at prepare)."""
 
-    def __init__(self, *, fail: BaseException | None = None) -> None:
+    def __init__(self, *, fail: BaseException | None = None, pageable_early: bool = True) -> None:
         self.engines: list[FakeEngine] = []
         self.fail = fail
+        self.pageable_early = pageable_early
         self.entered_prepare = threading.Event()
         #: Called in the set-up's thread once the engine's prepare() returned.
         self.after: Callable[[], None] | None = None
@@ -58,6 +60,7 @@ class Made:
     def __call__(self, setup: EngineSetup) -> FakeEngine:
         engine = FakeEngine(setup, auto=True, background=True)
         engine.hold_prepare()
+        engine.pageable_before_prepare = self.pageable_early
         inner_prepare, fail, entered = engine.prepare, self.fail, self.entered_prepare
 
         def prepare() -> None:
@@ -316,6 +319,49 @@ async def test_a_pageable_transfer_does_not_wait_for_a_set_up_held_by_a_pause(
         finally:
             await mgr.aclose()  # after the pause: a close inside it is refused
     assert not is_mapped(*regions[0]) and backend.pinned_spans() == backend.unpinned_spans()
+
+
+async def test_an_engine_that_takes_no_early_pageable_job_gets_it_after_its_set_up() -> None:
+    # Without pageable_before_prepare (an engine class of its own, say), a pageable
+    # transfer waits for the set-up like any other.
+    made = Made(pageable_early=False)
+    mgr = OffloadManager.for_kv(
+        _layout(),
+        8,
+        backend=FakeBackend(),
+        engine=made,
+        chunk_bytes=8192,
+        unpinned_policy="pageable",
+    )
+    with anyio.fail_after(TIMEOUT_S):
+        try:
+            async with mgr.pinning_paused():
+                await mgr.__aenter__()
+                store = mgr.store([0], [2])
+                assert made.engine.submitted == []  # waits for the set-up
+                made.engine.let_prepare()
+            await store
+            assert store.path == "pageable" and made.engine.prepared
+        finally:
+            await mgr.aclose()
+
+
+@pytest.mark.parametrize(("name", "registered"), [("cuda", True), ("host", False), ("fake", False)])
+async def test_the_engine_knows_whether_cuda_registered_the_host_blocks(
+    name: str, registered: bool
+) -> None:
+    # Only the cuda backend's pins make host blocks addressable by device code.
+    seen: list[EngineSetup] = []
+
+    def factory(setup: EngineSetup) -> FakeEngine:
+        seen.append(setup)
+        return FakeEngine(setup, auto=True)
+
+    backend = FakeBackend()
+    backend.name = name
+    async with OffloadManager.for_kv(_layout(), 8, backend=backend, engine=factory) as mgr:
+        await mgr.pinned
+    assert [s.host_registered for s in seen] == [registered]
 
 
 async def test_a_close_aborts_a_set_up_held_by_a_pause(

@@ -204,6 +204,22 @@ class TestTransferEngineConformance:
         factory = functools.partial(FakeEngine, auto=True, copy=True)
         run(check_transfer_engine, anyio_backend, factory, cpu_layout())
 
+    def test_a_pageable_job_before_prepare_is_checked(self, anyio_backend: str) -> None:
+        # An engine that says it takes pageable jobs before prepare() gets one then
+        # (FakeEngine in the background says so and does).
+        factory = functools.partial(FakeEngine, auto=True, copy=True, background=True)
+        run(check_transfer_engine, anyio_backend, factory, cpu_layout())
+
+        class Refuses(FakeEngine):
+            def submit(self, job: Any, *, pageable: bool) -> None:
+                if not self.prepared:
+                    raise RuntimeError("no submit before prepare")
+                super().submit(job, pageable=pageable)
+
+        refusing = functools.partial(Refuses, auto=True, copy=True, background=True)
+        with pytest.raises(Exception, match="no submit before prepare"):
+            run(check_transfer_engine, anyio_backend, refusing, cpu_layout())
+
     @pytest.mark.cuda
     def test_cuda_engine_every_method(self, anyio_backend: str) -> None:
         from asyncpin.cuda import CudaBackend

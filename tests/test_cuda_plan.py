@@ -300,6 +300,7 @@ def _choose(
     staged: bool = True,
     partial: bool = False,
     runs: bool = False,
+    uva: bool = True,
 ) -> tuple[str, int]:
     """The method chosen, and how many times staging was asked for."""
     asked: list[int] = []
@@ -318,6 +319,7 @@ def _choose(
         staged=stage,
         partial=partial,
         runs=lambda: runs,
+        uva=uva,
     )
     return method, len(asked)
 
@@ -341,6 +343,14 @@ class TestChooseMethod:
 
     def test_auto_small_is_batch(self) -> None:
         assert _choose("auto", blocks=16, arrays=4) == ("batch", 0)
+
+    def test_without_registered_host_memory_nothing_goes_by_kernel(self) -> None:
+        # The copy kernel would read host memory the device cannot address.
+        assert _choose("kernel", uva=False) == ("pack", 1)
+        assert _choose("kernel", staged=False, uva=False) == ("batch", 1)
+        assert _choose("auto", partial=True, uva=False) == ("pack", 1)
+        assert _choose("auto", blocks=1, arrays=64, runs=True, uva=False) == ("batch", 0)
+        assert _choose("pack", uva=False) == ("pack", 1)
 
     def test_auto_small_runs_of_small_blocks_are_kernel(self) -> None:
         assert _choose("auto", blocks=1, arrays=64, runs=True) == ("kernel", 0)

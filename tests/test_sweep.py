@@ -247,15 +247,25 @@ async def test_stores_stay_on_the_loop_while_threads_starve(
         assert threaded == [large] and on_loop == [starved]
 
 
-async def test_stores_up_to_the_loop_limit_are_queued_on_the_loop(
+async def test_stores_up_to_the_loop_limits_are_queued_on_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Small stores, and stores of up to 64 blocks and loop_store_max_bytes by pack or
+    # kernel (whose queuing does not grow with the segments); not batch ones beyond 64
+    # segments: one DMA each, queued in the driver at about 0.8 us apiece.
     with _submitting(monkeypatch) as (engine, threaded, on_loop):
+        engine.loop_store_max_bytes = 4096 * 64
+        assert engine._queued_on_loop(_job("store", blocks=4), "batch")  # 64 segments
+        assert not engine._queued_on_loop(_job("store", blocks=5), "batch")
+        for method in ("pack", "kernel"):
+            assert engine._queued_on_loop(_job("store", blocks=64), method)
+            assert not engine._queued_on_loop(_job("store", blocks=65), method)
         engine.loop_store_max_bytes = 4096 * 10
-        at_limit, over = _job("store", blocks=10), _job("store", blocks=11)
-        engine.submit(at_limit, pageable=False)
-        engine.submit(over, pageable=False)
-        assert on_loop == [at_limit] and threaded == [over]
+        assert engine._queued_on_loop(_job("store", blocks=10), "pack")
+        assert not engine._queued_on_loop(_job("store", blocks=11), "pack")
+        many = _job("store", blocks=10)  # 160 segments, 40 KiB: batch (no copy kernel)
+        engine.submit(many, pageable=False)
+        assert threaded == [many] and on_loop == []
 
 
 def test_a_waiter_skips_what_the_loop_has_finished() -> None:

@@ -43,7 +43,8 @@ async def check_transfer_engine(
     copy engine that reads host memory from the device needs it, e.g.
     :class:`~asyncpin.cuda.CudaBackend` for the cuda engine), makes the engine on the
     running loop from an :class:`~asyncpin.abc.EngineSetup` whose ``start_soon`` runs
-    tasks owned by the check, calls ``prepare()`` in a worker thread, then checks:
+    tasks owned by the check, calls ``prepare()`` in a worker thread (an engine that sets
+    ``pageable_before_prepare`` first copies a pageable store before it), then checks:
 
     - ``submit`` sets ``transfer.method`` (one of ``methods()``) and ``transfer.path``
       before it returns, and does not report a non-empty job before it returns (the copy

@@ -58,7 +58,8 @@ class FakeEngine:
       copy that fails part way may have written some bytes) and reported with the
       error, in its turn.
     - ``background=True``: the manager prepares it after entry, as the CUDA engine
-      (``prepare_in_background``); :meth:`prepare` then waits for :meth:`let_prepare`
+      (``prepare_in_background``; it takes pageable jobs before that,
+      ``pageable_before_prepare``); :meth:`prepare` then waits for :meth:`let_prepare`
       (from any thread) when ``hold_prepare()`` was called before.
 
     It refuses what the contract forbids of its caller: :meth:`submit` off the event
@@ -79,6 +80,7 @@ class FakeEngine:
     ) -> None:
         self.auto = auto
         self.prepare_in_background = background
+        self.pageable_before_prepare = background  # as the CUDA engine
         self.copy = copy
         self._start_soon = setup.start_soon
         self._inner = HostTransferEngine(setup) if copy else None
@@ -157,7 +159,7 @@ class FakeEngine:
 
     def submit(self, job: TransferJob, *, pageable: bool) -> None:
         self._check_loop("submit")
-        early = not self.prepared and not (pageable and self.prepare_in_background)
+        early = not self.prepared and not (pageable and self.pageable_before_prepare)
         if early or self.closed:
             raise RuntimeError("submit() before prepare()" if early else "submit() after close()")
         if self._submit_errors:

@@ -153,7 +153,11 @@ class EngineHarness:
 
         self.threads_before = set(threading.enumerate())
         setup = EngineSetup(
-            self.layout, self.blocks.host_view(region_bytes), self.chunk_bytes, self._start_soon
+            self.layout,
+            self.blocks.host_view(region_bytes),
+            self.chunk_bytes,
+            self._start_soon,
+            host_registered=self.backend is not None and self.backend.name == "cuda",
         )
         engine = self.engine = self.factory(setup)
         del setup, region_bytes
@@ -171,6 +175,13 @@ class EngineHarness:
             raise AssertionError(f"{self.name}: methods() must be a non-empty tuple of str")
         if method != "auto" and method not in methods:
             raise ValueError(f"method {method!r} is not one of {self.name}'s {methods}")
+        if getattr(engine, "pageable_before_prepare", False):
+            # It says it takes pageable jobs before its set-up: one, then.
+            self.blocks.renew_device(0)
+            early = self.job("store", [0], [self.pageable[0]], method)
+            self.submit(engine, early, pageable=True)
+            await self.wait([early], "a pageable store submitted before prepare()")
+            self.compare("a pageable store submitted before prepare()")
         await anyio.to_thread.run_sync(engine.prepare)
         return engine
 

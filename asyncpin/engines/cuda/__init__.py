@@ -32,6 +32,7 @@ from asyncpin.engines.cuda.methods import CopyMethods, kernel_importable, load_k
 from asyncpin.engines.cuda.plan import (
     BATCH_MIN_BLOCK_BYTES,
     KERNEL_WORD,
+    LOOP_STORE_MAX_BLOCKS,
     AddressPlan,
     choose_method,
     is_run,
@@ -53,10 +54,14 @@ class CudaTransferEngine:
     name = "cuda"
     # Prepared after the manager's entry, while pinning goes on: transfers wait for it.
     prepare_in_background = True
+    # Takes pageable jobs before prepare() (they need none of it): under the "pageable"
+    # policy they go at once, even while pinning_paused() holds the set-up back.
+    pageable_before_prepare = True
     # Large stores go to the submitter thread (False: every store is queued by the caller).
     thread_stores = True
-    # Stores of at most this many bytes are queued on the event loop, as loads are: the
-    # hop to the submitter thread cost more than their queuing (H200, 32 KiB blocks: a
+    # Stores of at most this many bytes (and LOOP_STORE_MAX_BLOCKS blocks, by pack or
+    # kernel) are queued on the event loop, as loads are: the hop to the submitter thread
+    # could cost more than their queuing (H200, 32 KiB blocks: a
     # 32 MiB store resumed after 1.36 ms queued on the loop, 1.62 ms through the thread;
     # 256 MiB ones alike, 6.2 ms, while queuing held the loop 1.1 ms: bench/RESULTS.md).
     loop_store_max_bytes = 64 << 20
@@ -68,6 +73,8 @@ class CudaTransferEngine:
         # A CUDA tensor's device always has its index; the layout takes it from them.
         self._index: int = layout.device.index if layout.device.index is not None else 0
         self._start_soon = setup.start_soon
+        # The copy kernel may touch pinned host blocks only if CUDA registered them.
+        self._uva = setup.host_registered
         hooks = loop_hooks(setup.start_soon)
 
         self._rt = Runtime()
@@ -141,7 +148,8 @@ class CudaTransferEngine:
         # A store's host blocks are distinct, and so are a load's device blocks.
         max_ids = {"store": self._num_host_blocks, "load": layout.num_blocks}
         with outside_captures(), torch.cuda.device(self._index):
-            copies.to_device(self._device, max(layout.num_blocks, self._num_host_blocks))
+            if copies.kernel is not None:  # the copy kernel's tables
+                copies.to_device(self._device, max(layout.num_blocks, self._num_host_blocks))
             for d in ("store", "load"):
                 lane = Lane(rt, self._device, max_ids[d] if copies.kernel else 0)
                 whole = self._plan.all_arrays
@@ -184,6 +192,16 @@ class CudaTransferEngine:
                 fallback="batch",
                 reason=self._misaligned,
             )
+        elif job.method == "kernel" and not (
+            pageable or self._uva or "uva" in self._fallbacks_logged
+        ):
+            self._fallbacks_logged.add("uva")
+            _log.warning(
+                "transfer.method_fallback",
+                requested="kernel",
+                fallback="pack",
+                reason="the pin backend does not register host memory with CUDA",
+            )
         arrays = job.arrays or self._plan.all_arrays
         return choose_method(
             job.method,
@@ -195,6 +213,7 @@ class CudaTransferEngine:
             staged=lambda: self._staged(job),
             partial=job.arrays is not None,
             runs=lambda: is_run(job.gpu_ids) and is_run(job.cpu_ids),
+            uva=self._uva,
         )
 
     def _staged(self, job: TransferJob) -> bool:
@@ -236,8 +255,7 @@ class CudaTransferEngine:
             self._submitter.busy()
             or (
                 self.thread_stores
-                and job.transfer.nbytes > self.loop_store_max_bytes
-                and not is_small(job.transfer.num_blocks, len(job.arrays or self._plan.all_arrays))
+                and not self._queued_on_loop(job, method)
                 and not self._completion.starved()
             )
         ):
@@ -250,6 +268,20 @@ class CudaTransferEngine:
             self._submitter.submit(job, method)
         else:
             self._enqueue(job, method)
+
+    def _queued_on_loop(self, job: TransferJob, method: str) -> bool:
+        """Whether a store is cheap enough to queue on the event loop: small (up to 64
+        segments), or at most ``loop_store_max_bytes`` and ``LOOP_STORE_MAX_BLOCKS``
+        blocks by a method whose queuing does not grow with the segments (pack: one DMA
+        per run of host blocks; kernel: one launch)."""
+        n = job.transfer.num_blocks
+        if is_small(n, len(job.arrays or self._plan.all_arrays)):
+            return True
+        return (
+            method in ("pack", "kernel")
+            and n <= LOOP_STORE_MAX_BLOCKS
+            and job.transfer.nbytes <= self.loop_store_max_bytes
+        )
 
     def _copy_pageable(self, job: TransferJob) -> None:
         """In a worker thread: the job's copy on its direction's pageable stream."""

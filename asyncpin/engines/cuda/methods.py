@@ -3,14 +3,16 @@
 - ``batch``: one DMA per (block, array) segment, issued with one
   ``cudaMemcpyBatchAsync`` call per stream where the runtime has it (CUDA >= 12.8; its
   signature changed in 13.0), else a loop of ``cudaMemcpyAsync``. Uses no SMs; per-copy
-  overhead limits it with small blocks. A small transfer (one Llama block) takes this
-  path with its addresses computed in plain Python: a handful of microseconds to submit.
+  overhead limits it with small blocks. A small transfer whose ids are not runs of
+  consecutive ids takes this path with its addresses computed in plain Python.
 - ``pack``: a copy kernel gathers the blocks into one half of a device staging buffer
   laid out like the host (block-major), then one DMA per run of consecutive host blocks
   moves it while the kernel fills the other half (load: the reverse). The kernel runs at
   device-memory speed, so the bus does the work and the SMs stay with the model.
 - ``kernel``: the same copy kernel reading or writing host memory directly through UVA,
-  with a bounded number of CTAs.
+  with a bounded number of CTAs; only where the pinned chunks are registered with CUDA.
+  A small transfer whose ids are runs (one Llama block always) takes it under auto: one
+  launch, its ids read from a table on the device.
 
 Jobs whose host blocks are not pinned yet copy from pageable memory in a worker thread,
 on a stream of their own per direction (``pageable``).
@@ -107,7 +109,10 @@ class CopyMethods:
         self._tables = tuple(
             t.to(device) for t in (plan.ptrs_cpu, plan.strides_cpu, words, plan.offsets_cpu)
         )
-        self._identity = torch.arange(max_id, dtype=torch.int64, device=device)
+        # Made here and copied up (a synchronous copy, as the tables above): a kernel
+        # on the lanes' streams, which do not wait for this thread's current stream,
+        # may read it as soon as prepare() returns.
+        self._identity = torch.arange(max_id, dtype=torch.int64).to(device)
 
     def release(self) -> None:
         """Device memory back to torch's allocator (at close)."""

@@ -47,6 +47,9 @@ BATCH_MIN_BLOCK_BYTES = 1 << 20
 # with plain-Python addresses, one batched DMA call and one stream: every torch op on a
 # CPU tensor would cost more than the copy's own submission.
 SMALL_SEGMENTS = 64
+# A store of at most this many blocks (and 64 MiB) by pack or kernel is queued on the
+# event loop: a few hundred microseconds of driver calls, whatever the block's arrays.
+LOOP_STORE_MAX_BLOCKS = 64
 
 # (host, other, sizes) address arrays for each of the two DMA streams.
 StreamDmas = list[tuple["array.array[int]", "array.array[int]", "array.array[int]"]]
@@ -114,6 +117,7 @@ def choose_method(
     staged: Callable[[], bool],
     partial: bool = False,
     runs: Callable[[], bool] = lambda: False,
+    uva: bool = True,
 ) -> str:
     """The method a job runs with. Never the copy kernel (pack, kernel) unless
     ``kernel_usable`` (Triton is there and the layout is safe for it: a misaligned access
@@ -127,19 +131,23 @@ def choose_method(
     are runs of consecutive ids (one block always is): such a small job of small blocks goes
     by the copy kernel, its ids read from a table on the device (one launch: a one-block
     Llama store resumed after 197 us at p50, against 237 us for 64 DMAs in one batched
-    call, on the H200: bench/RESULTS.md#await-latency)."""
+    call, on the H200: bench/RESULTS.md#await-latency). ``uva``: the host chunks are
+    registered with CUDA, so the copy kernel may read and write them (``kernel``); if not,
+    a job that would go by it goes by pack (whose kernel touches device memory only)."""
     if pageable or not kernel_usable:
         return "batch"
     if requested != "auto":
         method = requested
     elif is_small(num_blocks, num_arrays):
-        if num_blocks and block_bytes < BATCH_MIN_BLOCK_BYTES and runs():
+        if uva and num_blocks and block_bytes < BATCH_MIN_BLOCK_BYTES and runs():
             return "kernel"
         return "batch"
     elif block_bytes >= BATCH_MIN_BLOCK_BYTES:
         method = "batch"
     else:
         method = "kernel" if partial else "pack"
+    if method == "kernel" and not uva:
+        method = "pack"
     if method == "pack" and num_blocks and not staged():
         return "batch"
     return method
