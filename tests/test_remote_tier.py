@@ -512,7 +512,10 @@ async def test_a_fetched_part_is_kept_from_eviction_until_the_load(
 
 
 async def nothing_held(tier: KVTier) -> None:
-    """Every host block can be evicted: a store of a whole host's worth finds room."""
+    """Every host block can be evicted: a store of a whole host's worth finds room. (Once
+    the write-behind is done: the writer holds a batch of blocks while it copies them out,
+    and those may not be evicted meanwhile.)"""
+    await tier.remote_written()
     fresh = tier.store(list(range(5000, 5000 + BLOCKS)), list(range(BLOCKS)))
     await fresh.transfer
     assert fresh.skipped == ()
