@@ -39,6 +39,7 @@ def cpu_engine(
     host_blocks: int = 256,
     chunk_bytes: int = 1 << 30,
     start_soon: Callable[..., object] = lambda *args: None,
+    host_registered: bool = True,
 ) -> Iterator[CudaTransferEngine]:
     """The engine as the manager makes it (call it on the event loop), its copy kernel
     ``kernel`` (None: no Triton). Its threads end on exit."""
@@ -47,7 +48,8 @@ def cpu_engine(
     monkeypatch.setattr(ct, "kernel_importable", lambda: kernel is not None)
     host = torch.zeros(host_blocks, layout.host_block_bytes, dtype=torch.uint8)
     assert host.data_ptr() % 16 == 0  # as the region is (page-aligned)
-    engine = CudaTransferEngine(EngineSetup(layout, host, chunk_bytes, start_soon))
+    setup = EngineSetup(layout, host, chunk_bytes, start_soon, host_registered=host_registered)
+    engine = CudaTransferEngine(setup)
     engine._load()  # what prepare() does without a device
     threads = engine._submitter, engine._completion  # a test may stand others in
     try:

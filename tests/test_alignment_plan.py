@@ -113,10 +113,13 @@ class TestKernelMisalignment:
 
 
 @contextmanager
-def _engine(monkeypatch: pytest.MonkeyPatch, layout: KVLayout) -> Iterator[CudaTransferEngine]:
+def _engine(
+    monkeypatch: pytest.MonkeyPatch, layout: KVLayout, *, host_registered: bool = True
+) -> Iterator[CudaTransferEngine]:
     """The engine as the manager makes it, with a stand-in runtime and copy kernel; its
     lanes have pack staging."""
-    with cpu_engine(monkeypatch, layout, kernel=object()) as engine:
+    made = cpu_engine(monkeypatch, layout, kernel=object(), host_registered=host_registered)
+    with made as engine:
         lanes: dict[Any, Any] = {d: SimpleNamespace(staging=object()) for d in ("store", "load")}
         engine._lanes = lanes
         yield engine
@@ -160,6 +163,20 @@ class TestEngineChoice:
             assert engine.methods() == ("batch", "pack", "kernel")
             for method in ("auto", "pack", "kernel"):
                 assert engine._choose(_job(method), pageable=False) == "batch"
+
+    async def test_host_memory_cuda_did_not_register_never_goes_by_kernel(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # A pin backend that only locks memory (host, or one of your own): the copy kernel
+        # would read host addresses the device cannot reach; it runs as pack, said once.
+        layout = offset_layout(0, 112)
+        with capture_logs() as logs, _engine(monkeypatch, layout, host_registered=False) as engine:
+            assert engine._choose(_job("kernel"), pageable=False) == "pack"
+            assert engine._choose(_job("kernel", 1), pageable=False) == "pack"
+            assert engine._choose(_job("auto", 1), pageable=False) == "batch"
+            assert engine._choose(_job("auto"), pageable=False) == "pack"
+        events = [e for e in logs if e["event"] == "transfer.method_fallback"]
+        assert len(events) == 1 and "register" in events[0]["reason"]
 
     @pytest.mark.parametrize("offset", [0, 8, 64])
     async def test_aligned_arrays_keep_the_kernel(
