@@ -61,9 +61,10 @@ class CudaTransferEngine:
     thread_stores = True
     # Stores of at most this many bytes (and LOOP_STORE_MAX_BLOCKS blocks, by pack or
     # kernel) are queued on the event loop, as loads are: the hop to the submitter thread
-    # could cost more than their queuing (H200, 32 KiB blocks: a
-    # 32 MiB store resumed after 1.36 ms queued on the loop, 1.62 ms through the thread;
-    # 256 MiB ones alike, 6.2 ms, while queuing held the loop 1.1 ms: bench/RESULTS.md).
+    # costs about what their queuing does (H200, 32 KiB blocks, 32 MiB stores: resumed
+    # after 1.36 ms queued on the loop against 1.62 ms through the thread in one run,
+    # 1.04 against 1.07 in another; 256 MiB ones alike, about 6 ms, while queuing held the
+    # loop 1.1 ms: bench/RESULTS.md#transfer-time).
     loop_store_max_bytes = 64 << 20
 
     def __init__(self, setup: EngineSetup) -> None:
@@ -259,10 +260,10 @@ class CudaTransferEngine:
                 and not self._completion.starved()
             )
         ):
-            # Stores are queued by the submitter thread unless small (in segments or in
-            # bytes) and nothing is ahead of them there. Loads are queued here, on the
-            # calling thread, so that ``transfer.event`` is recorded by the time load()
-            # returns.
+            # Stores are queued by the submitter thread unless cheap to queue here
+            # (``_queued_on_loop``) and nothing is ahead of them there. Loads are queued
+            # here, on the calling thread, so that ``transfer.event`` is recorded by the
+            # time load() returns.
             if job.ready is None:
                 job.ready = self.record_ready()  # the caller's stream, as of now
             self._submitter.submit(job, method)
