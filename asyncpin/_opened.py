@@ -16,6 +16,7 @@ from asyncpin._config import ManagerConfig, default_chunk_bytes
 from asyncpin._router import TransferRouter
 from asyncpin._tasks import OwnedTasks
 from asyncpin.abc import EngineSetup, PinBackend, TransferEngine
+from asyncpin.backends import registers_with_cuda
 from asyncpin.engines import make_engine
 from asyncpin.errors import ConfigError, PreflightError
 from asyncpin.gate import PauseGate
@@ -125,7 +126,7 @@ class Opened:
             self.host_blocks,
             chunk_bytes,
             tasks.start_soon,
-            host_registered=self.scheduler.backend.name == "cuda",
+            host_registered=registers_with_cuda(self.scheduler.backend),
         )
         self.engine = make_engine(config.engine, setup)
         self.router = TransferRouter(

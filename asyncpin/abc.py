@@ -40,6 +40,10 @@ class PinBackend(Protocol):
     - ``preflight(nbytes)`` is called on the event loop before anything is mapped; it
       must be quick and raise :class:`~asyncpin.errors.PreflightError` if pinning
       ``nbytes`` more cannot succeed.
+    - Optional: a class attribute ``registers_with_cuda = True`` says that what ``pin``
+      pinned is registered with CUDA (``cudaHostRegister``), so that device code may
+      read and write it (:class:`~asyncpin.cuda.CudaBackend` sets it). Without it, the
+      CUDA engine moves pinned blocks by DMA only.
     """
 
     @property
@@ -77,9 +81,11 @@ class EngineSetup:
     start_soon: Callable[..., object]
     #: Whether pinned chunks are registered with the device's driver (the ``cuda``
     #: backend's ``cudaHostRegister``), so that device code may read and write them
-    #: through unified addressing. False with a backend that only locks them (``host``,
-    #: or one of your own): copies of such chunks must then be DMAs.
-    host_registered: bool = True
+    #: through unified addressing: the manager sets it from the backend's
+    #: ``registers_with_cuda``. False (the default) with a backend that only locks them
+    #: (``host``, or one of your own that does not say so): copies of such chunks must
+    #: then be DMAs.
+    host_registered: bool = False
 
 
 @runtime_checkable

@@ -12,7 +12,14 @@ from asyncpin import _sys
 from asyncpin.abc import PinBackend
 from asyncpin.errors import BackendCallError, BackendUnavailableError, ConfigError, PreflightError
 
-__all__ = ["BACKEND_NAMES", "HostBackend", "PinBackend", "cuda_available", "resolve_backend"]
+__all__ = [
+    "BACKEND_NAMES",
+    "HostBackend",
+    "PinBackend",
+    "cuda_available",
+    "registers_with_cuda",
+    "resolve_backend",
+]
 
 BACKEND_NAMES = ("auto", "host", "cuda")
 
@@ -63,6 +70,14 @@ def cuda_available() -> bool:
     except ImportError:  # pragma: no cover - torch is a dependency
         return False
     return bool(torch.cuda.is_available())
+
+
+def registers_with_cuda(backend: object) -> bool:
+    """Whether ``backend`` says that what it pins is registered with CUDA (its class sets
+    ``registers_with_cuda = True``, as :class:`~asyncpin.cuda.CudaBackend` does): device
+    code may then read and write the pinned chunks. False for None and for any backend
+    that does not say so."""
+    return getattr(backend, "registers_with_cuda", False) is True
 
 
 def resolve_backend(backend: str | PinBackend, device: int | None = None) -> PinBackend:

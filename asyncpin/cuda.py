@@ -27,6 +27,9 @@ class CudaBackend:
     __slots__ = ("_device", "_lib")
     name = "cuda"
     max_pin_bytes = CUDA_MAX_PIN_BYTES
+    # What it pins, device code may read and write through unified addressing
+    # (``EngineSetup.host_registered``).
+    registers_with_cuda = True
 
     def __init__(self, device: int | None = None) -> None:
         if not torch.cuda.is_available():

@@ -346,11 +346,15 @@ async def test_an_engine_that_takes_no_early_pageable_job_gets_it_after_its_set_
             await mgr.aclose()
 
 
-@pytest.mark.parametrize(("name", "registered"), [("cuda", True), ("host", False), ("fake", False)])
+@pytest.mark.parametrize(
+    ("name", "says", "registered"),
+    [("cuda", True, True), ("cuda", False, False), ("host", False, False), ("fake", True, True)],
+)
 async def test_the_engine_knows_whether_cuda_registered_the_host_blocks(
-    name: str, registered: bool
+    name: str, says: bool, registered: bool
 ) -> None:
-    # Only the cuda backend's pins make host blocks addressable by device code.
+    # Only a backend that says so (registers_with_cuda, as CudaBackend) makes host blocks
+    # addressable by device code: a name proves nothing.
     seen: list[EngineSetup] = []
 
     def factory(setup: EngineSetup) -> FakeEngine:
@@ -359,6 +363,8 @@ async def test_the_engine_knows_whether_cuda_registered_the_host_blocks(
 
     backend = FakeBackend()
     backend.name = name
+    if says:
+        backend.registers_with_cuda = True  # type: ignore[attr-defined]
     async with OffloadManager.for_kv(_layout(), 8, backend=backend, engine=factory) as mgr:
         await mgr.pinned
     assert [s.host_registered for s in seen] == [registered]

@@ -220,6 +220,16 @@ class TestTransferEngineConformance:
         with pytest.raises(Exception, match="no submit before prepare"):
             run(check_transfer_engine, anyio_backend, refusing, cpu_layout())
 
+        class RefusesLoads(FakeEngine):  # stores before prepare(), but no load
+            def submit(self, job: Any, *, pageable: bool) -> None:
+                if not self.prepared and job.transfer.direction == "load":
+                    raise RuntimeError("no load before prepare")
+                super().submit(job, pageable=pageable)
+
+        half = functools.partial(RefusesLoads, auto=True, copy=True, background=True)
+        with pytest.raises(Exception, match="no load before prepare"):
+            run(check_transfer_engine, anyio_backend, half, cpu_layout())
+
     @pytest.mark.cuda
     def test_cuda_engine_every_method(self, anyio_backend: str) -> None:
         from asyncpin.cuda import CudaBackend

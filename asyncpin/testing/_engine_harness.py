@@ -17,6 +17,7 @@ import anyio.to_thread
 from asyncpin import _sys
 from asyncpin._tasks import OwnedTasks
 from asyncpin.abc import EngineFactory, EngineSetup, PinBackend, TransferEngine
+from asyncpin.backends import registers_with_cuda
 from asyncpin.kv import KVLayout
 from asyncpin.region import Chunk, HostRegion, round_to_pages
 from asyncpin.testing._engine_blocks import Blocks
@@ -157,7 +158,7 @@ class EngineHarness:
             self.blocks.host_view(region_bytes),
             self.chunk_bytes,
             self._start_soon,
-            host_registered=self.backend is not None and self.backend.name == "cuda",
+            host_registered=registers_with_cuda(self.backend),
         )
         engine = self.engine = self.factory(setup)
         del setup, region_bytes
@@ -176,12 +177,24 @@ class EngineHarness:
         if method != "auto" and method not in methods:
             raise ValueError(f"method {method!r} is not one of {self.name}'s {methods}")
         if getattr(engine, "pageable_before_prepare", False):
-            # It says it takes pageable jobs before its set-up: one, then.
+            # It says it takes pageable jobs before its set-up: a store and a load, then,
+            # each with a reserve to call.
+            reserved: list[str] = []
             self.blocks.renew_device(0)
-            early = self.job("store", [0], [self.pageable[0]], method)
-            self.submit(engine, early, pageable=True)
-            await self.wait([early], "a pageable store submitted before prepare()")
-            self.compare("a pageable store submitted before prepare()")
+            q = self.pageable[0]
+            early = [
+                self.job("store", [0], [q], method, reserve=lambda: reserved.append("store")),
+                self.job("load", [1], [q], method, reserve=lambda: reserved.append("load")),
+            ]
+            for job in early:
+                self.submit(engine, job, pageable=True)
+                await self.wait([job], f"a pageable {job.transfer.direction} before prepare()")
+            self.compare("pageable jobs submitted before prepare()")
+            if sorted(reserved) != ["load", "store"]:
+                raise AssertionError(
+                    f"{self.name}: pageable jobs before prepare() called job.reserve "
+                    f"{reserved}, not once each"
+                )
         await anyio.to_thread.run_sync(engine.prepare)
         return engine
 
