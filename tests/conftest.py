@@ -13,6 +13,7 @@ test, anyio-marked ones included, and would run the trio runs on asyncio;
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import re
@@ -90,7 +91,11 @@ def shm_name(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def balanced_mappings(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, int, int]]]:
-    """Spy on the region's mmap/munmap: whatever a failed call mapped, it unmapped."""
+    """Spy on the region's mmap/munmap: whatever a failed call mapped, it unmapped.
+    Earlier tests' garbage is collected first: a region whose last view sits in a
+    reference cycle (a failed check's traceback, say) is unmapped when the cycle is
+    collected, which must not happen in the middle of this count."""
+    gc.collect()
     calls: list[tuple[str, int, int]] = []
     real_mmap, real_munmap = _sys.libc_mmap, _sys.libc_munmap
 
