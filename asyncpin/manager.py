@@ -14,7 +14,6 @@ import anyio
 import anyio.to_thread
 import structlog
 import torch
-from anyio import ClosedResourceError
 
 from asyncpin import _sys
 from asyncpin._config import (
@@ -316,7 +315,11 @@ class OffloadManager:
             hugepage_bytes=self._hugepage_bytes,
             close_seconds=self._life.close_seconds,
             # Why the manager will not be ready: pinning or the engine's set-up failed.
-            error=None if error is None or isinstance(error, ClosedResourceError) else str(error),
+            error=(
+                None
+                if error is None or isinstance(error, anyio.ClosedResourceError)
+                else str(error)
+            ),
             **fields,
         )
 

@@ -98,9 +98,9 @@ class CopyMethods:
         self._identity = torch.empty(0, dtype=torch.int64)
         # The compiled copy kernel of each direction (TO_HOST), once launched through the
         # JIT function: later launches skip its argument binding and specialisation (about
-        # 60 us a launch) and torch's current-stream switch (``prepared_launches``).
+        # 60 us a launch) and torch's current-stream switch (``prepared_launches``). Empty:
+        # every launch goes through the JIT function.
         self._compiled: dict[bool, Any] = {}
-        self._direct = False
 
     def to_device(self, device: torch.device, max_id: int) -> None:
         """The copy kernel's tables on ``device``, and ids up to ``max_id`` (exclusive)."""
@@ -118,24 +118,26 @@ class CopyMethods:
         """Device memory back to torch's allocator (at close)."""
         self._tables = ()
         self._identity = torch.empty(0, dtype=torch.int64)
-        self._compiled.clear()
-        self._direct = False
+        self._compiled = {}
+
+    @property
+    def _direct(self) -> bool:
+        """Whether launches go straight to the compiled kernels."""
+        return bool(self._compiled)
 
     def prepared_launches(self, compiled: dict[bool, list[Any]]) -> None:
         """After prepare's launches through the JIT function (``compiled``: what each
         direction's launches returned): later launches go straight to the compiled kernel
         where this Triton is the tested one and each direction compiled one variant only
         (so no argument of a later launch can call for another)."""
-        self._compiled.clear()
-        self._direct = False
+        self._compiled = {}
         if not direct_launch_tested():
             return
-        for to_host, kernels in compiled.items():
+        for kernels in compiled.values():
             first = kernels[0]
             if not all(k is first for k in kernels) or not hasattr(first, "__getitem__"):
                 return
-            self._compiled[to_host] = first
-        self._direct = True
+        self._compiled = {to_host: kernels[0] for to_host, kernels in compiled.items()}
 
     # -- ordering -----------------------------------------------------------------------
 
