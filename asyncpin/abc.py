@@ -44,6 +44,12 @@ class PinBackend(Protocol):
       pinned is registered with CUDA (``cudaHostRegister``), so that device code may
       read and write it (:class:`~asyncpin.cuda.CudaBackend` sets it). Without it, the
       CUDA engine moves pinned blocks by DMA only.
+    - Optional: a method ``before_unpin()``, called once per close in a worker thread,
+      through the pause gate, before the first ``unpin`` (when something was pinned):
+      for a backend whose unpin does not itself wait for device work that code outside
+      the manager may have queued on the memory (the ``cuda`` backend, registering from
+      a context of its own, waits for the device there). If it raises, the close logs
+      ``unpin.wait_failed`` and unpins.
     """
 
     @property

@@ -312,6 +312,17 @@ class PinScheduler:
         whose unpin failed, with why (they must stay mapped). Call once the pipeline is done."""
         leaked: list[tuple[Chunk, Exception]] = []
         t0 = time.perf_counter()
+        before_unpin = getattr(self.backend, "before_unpin", None)
+        if callable(before_unpin) and self.table.chunks_pinned:
+            self.gate.enter_call()
+            try:
+                before_unpin()
+            except Exception as exc:
+                # Unpinning goes on: what it waited for is the device's, and a device
+                # that fails here fails every copy too.
+                self._log.warning("unpin.wait_failed", error=str(exc))
+            finally:
+                self.gate.exit_call()
         for chunk in self.chunks:
             if not self.table.is_pinned(chunk.index):
                 continue

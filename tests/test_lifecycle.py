@@ -81,6 +81,9 @@ def assert_closed_cleanly(
     assert Counter(unpinned) == Counter(fake.pinned_spans())
     assert len(set(unpinned)) == len(unpinned), "a span was unpinned twice"
     assert all(call.mapped for call in fake.calls), "a backend call ran on unmapped memory"
+    # before_unpin: once, after the last pin and before the first unpin; only when
+    # something was pinned.
+    assert fake.before_unpin_at == ([first_unpin] if fake.pinned_spans() else [])
     assert not is_mapped(address, NBYTES), "the region is still mapped after close"
     assert mgr.state is ManagerState.CLOSED
     assert mgr.stats().chunks_pinned == 0
@@ -208,6 +211,16 @@ class TestCloseOrder:
         assert_closed_cleanly(mgr, fake, address, range(NCHUNKS))
         # Unpins go in chunk order, once pinning is over.
         assert fake.unpinned_spans() == [span(address, i) for i in range(NCHUNKS)]
+
+    async def test_a_failing_before_unpin_is_logged_and_every_chunk_unpinned(self) -> None:
+        fake = FakeBackend(fail_before_unpin=True)
+        with anyio.fail_after(TIMEOUT_S), capture_logs() as logs:
+            async with make(fake) as mgr:
+                address = mgr.host_view().data_ptr()
+                await mgr.pinned
+        assert_closed_cleanly(mgr, fake, address, range(NCHUNKS))
+        (failed,) = events(logs, "unpin.wait_failed")
+        assert "injected failure before unpin" in failed["error"]
 
     async def test_aclose_is_idempotent(self) -> None:
         fake = FakeBackend()

@@ -52,8 +52,13 @@ class FakeBackend:
     - ``stall_pin_at``: the n-th pin call sets :attr:`stalled` and blocks until
       :meth:`release` is called.
     - ``fail_unpin_at``: the n-th unpin call raises BackendCallError.
+    - ``fail_before_unpin``: :meth:`before_unpin` raises BackendCallError.
     - ``inner``: a real backend to delegate to (then it records and injects faults around
-      real pins); ``before_pin(n, address, nbytes)`` runs before the n-th pin is made.
+      real pins, and :meth:`before_unpin` calls the inner one's, where it has one);
+      ``before_pin(n, address, nbytes)`` runs before the n-th pin is made.
+
+    :attr:`before_unpin_at` lists, for each :meth:`before_unpin` call, how many pin and
+    unpin calls were recorded when it came.
     """
 
     name = "fake"
@@ -69,12 +74,15 @@ class FakeBackend:
         max_pin_bytes: int | None = None,
         inner: PinBackend | None = None,
         before_pin: Callable[[int, int, int], None] | None = None,
+        fail_before_unpin: bool = False,
     ) -> None:
         self.inner = inner
         self.before_pin = before_pin
         self.fail_pin_at = fail_pin_at
         self.stall_pin_at = stall_pin_at
         self.fail_unpin_at = fail_unpin_at
+        self.fail_before_unpin = fail_before_unpin
+        self.before_unpin_at: list[int] = []
         if max_pin_bytes is not None:
             self.max_pin_bytes = max_pin_bytes
         elif inner is not None:
@@ -105,6 +113,17 @@ class FakeBackend:
     def unpin(self, address: int, nbytes: int) -> None:
         n = self._count("unpin")
         self._call("unpin", n, n == self.fail_unpin_at, address, nbytes)
+
+    def before_unpin(self) -> None:
+        with self._lock:
+            self.before_unpin_at.append(len(self.calls))
+        inner = getattr(self.inner, "before_unpin", None)
+        if callable(inner):
+            inner()
+        if self.fail_before_unpin:
+            raise BackendCallError(
+                "fake_before_unpin", self.FAKE_CODE, "EFAKE", "injected failure before unpin"
+            )
 
     def _count(self, op: str) -> int:
         """The number (0-based) of this ``op`` call."""

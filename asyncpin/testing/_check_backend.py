@@ -47,7 +47,8 @@ async def check_pin_backend(
     region in page-aligned spans of ``chunk_bytes`` (cut to ``max_pin_bytes``; the last
     span is shorter) from worker threads, ``pin_threads`` at a time, checks that they are
     pinned where it can tell, unpins each span once with the same arguments, checks that
-    the pins are gone, and releases the region.
+    the pins are gone, and releases the region. A backend with the optional
+    ``before_unpin()`` has it called once before the unpins, where it must not raise.
 
     - ``locked_bytes``: pins show in the process's locked bytes (``VmLck``), which must
       grow by exactly the bytes pinned and come back after the unpins. None: true for
@@ -120,6 +121,16 @@ async def check_pin_backend(
                 raise
             pinned.remove(chunk)
 
+        before_unpin = getattr(backend, "before_unpin", None)
+        if before_unpin is not None:
+            if not callable(before_unpin):
+                raise AssertionError(f"{name}: before_unpin must be a method, got {before_unpin!r}")
+            try:
+                await anyio.to_thread.run_sync(before_unpin)
+            except Exception as exc:
+                raise AssertionError(
+                    f"{name}: before_unpin() raised {exc!r} with spans pinned"
+                ) from exc
         await _each(name, "unpin of a pinned span", unpin, list(pinned))
         if counting:
             left = _sys.vm_locked_bytes() - baseline
