@@ -18,6 +18,7 @@ unrelated torch call as something else.
 from __future__ import annotations
 
 import threading
+import time
 
 import structlog
 import torch
@@ -72,8 +73,12 @@ class CudaBackend:
             return None
         with self._context_lock:
             if self._context is None and self._own_context:
+                t0 = time.perf_counter()
                 try:
                     self._context = pin_context(self._device)
+                    structlog.get_logger("asyncpin").debug(
+                        "pin.own_context", device=self._device, seconds=time.perf_counter() - t0
+                    )
                 except (OSError, BackendCallError) as exc:
                     # Registering in the runtime's context still works, with its costs.
                     self._own_context = False

@@ -18,6 +18,7 @@ import torch
 
 from asyncpin import ConfigError, OffloadManager, RegionNotFoundError, _sys
 from asyncpin.region import (
+    PREFAULT_PIECE_BYTES,
     Backing,
     HostRegion,
     validate_backing,
@@ -287,6 +288,31 @@ class TestTransparentHugePages:
         finally:
             region.release()
         assert region.hugepage_bytes() == 0
+
+    def test_prefault_goes_a_huge_page_at_a_time(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        # Each call holds the memory-map lock while it faults: a whole chunk at once held
+        # up every thread that maps memory meanwhile (the GIL's holder among them).
+        calls: list[tuple[int, int, int]] = []
+        real = _sys.libc_madvise
+
+        def record(address: int, nbytes: int, advice: int) -> None:
+            calls.append((address, nbytes, advice))
+            real(address, nbytes, advice)
+
+        monkeypatch.setattr(_sys, "libc_madvise", record)
+        region = HostRegion.create(8 * MIB)
+        try:
+            offset, nbytes = PAGE, 5 * MIB + 3 * PAGE
+            region.prefault(offset, nbytes)
+            populate = [(a, n) for a, n, advice in calls if advice == _sys.MADV_POPULATE_WRITE]
+            assert populate, "nothing was faulted in"
+            assert all(n <= PREFAULT_PIECE_BYTES for _, n in populate)
+            start = region.address + offset
+            covered = [(start + i * PREFAULT_PIECE_BYTES) for i in range(len(populate))]
+            assert [a for a, _ in populate] == covered
+            assert sum(n for _, n in populate) == nbytes
+        finally:
+            region.release()
 
     def test_prefault_keeps_data(self) -> None:
         region = HostRegion.create(4 * MIB)
