@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from asyncpin import ConfigError, OffloadManager, RegionNotFoundError, _sys
+from asyncpin._mapping import UNMAP_PIECE_BYTES
 from asyncpin.region import (
     PREFAULT_PIECE_BYTES,
     Backing,
@@ -397,6 +398,36 @@ class TestRelease:
         finally:
             _sys.libc_munmap(address + keep.offset, keep.nbytes)
         assert not is_mapped(address + keep.offset, PAGE)
+
+    def test_release_unmaps_in_pieces(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        # One munmap holds the memory-map lock for writing while it frees every page:
+        # every other thread that maps memory or faults a page waits that long.
+        calls: list[tuple[int, int]] = []
+        real = _sys.libc_munmap
+
+        def record(address: int, nbytes: int) -> None:
+            calls.append((address, nbytes))
+            real(address, nbytes)
+
+        region = HostRegion.create(2 * UNMAP_PIECE_BYTES + 5 * MIB)
+        chunks = region.chunks(MIB)
+        address, nbytes = region.address, region.nbytes
+        keep = chunks[70]  # a leaked chunk splits the range in two
+        monkeypatch.setattr(_sys, "libc_munmap", record)
+        region.release(keep=[keep])
+        monkeypatch.undo()
+        try:
+            assert all(n <= UNMAP_PIECE_BYTES for _, n in calls)
+            assert len(calls) == 3  # 64 + 6 MiB before the chunk, 62 after
+            pieces = sorted(calls)
+            covered = [(a - address, n) for a, n in pieces]
+            assert sum(n for _, n in covered) == nbytes - keep.nbytes
+            assert all(o + n <= keep.offset or o >= keep.offset + keep.nbytes for o, n in covered)
+            assert not is_mapped(address, PAGE)
+            assert not is_mapped(address + nbytes - PAGE, PAGE)
+            assert is_mapped(address + keep.offset, keep.nbytes)
+        finally:
+            _sys.libc_munmap(address + keep.offset, keep.nbytes)
 
     def test_release_keeps_several_chunks(self) -> None:
         region = HostRegion.create(4 * MIB)
