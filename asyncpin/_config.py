@@ -42,11 +42,14 @@ _MAX_DEFAULT_CHUNK_BYTES = 64 << 20
 
 def default_chunk_bytes(nbytes: int) -> int:
     """The chunk size when none is given: 16 MiB, and for a region over 16 GiB as much as
-    keeps it to 1024 chunks, up to 64 MiB (a multiple of 2 MiB). Each cudaHostUnregister
-    at close waits for the whole device to go idle (measured on the H200), so fewer
-    chunks stall a running model less and close sooner (64 GiB: 2.8 s in 1024 chunks
-    against 7.2 s in 4096); a larger chunk holds the driver's lock longer while it is
-    registered (about 1 ms per 16 MiB there), which is why it stays bounded."""
+    keeps it to 1024 chunks, up to 64 MiB (a multiple of 2 MiB). Chosen (on the H200)
+    when chunks were registered in torch's context, as ``CudaBackend(own_context=False)``
+    still does: there each unregister at close waits for the whole device to go idle, so
+    fewer chunks stall a running model less and close sooner (64 GiB: 2.8 s in 1024
+    chunks against 7.2 s in 4096), and a larger chunk holds up other threads' launches
+    longer while it is registered (about 1 ms per 16 MiB), which is why it stays bounded.
+    From the backend's own context (the default) neither happens; 64 GiB in 1024 chunks
+    closed in 1.8-2.0 s there (bench/RESULTS.md#startup)."""
     per_chunk = -(-nbytes // _MAX_DEFAULT_CHUNKS)
     chunk = min(max(DEFAULT_CHUNK_BYTES, per_chunk), _MAX_DEFAULT_CHUNK_BYTES)
     return -(-chunk // HUGE_PAGE) * HUGE_PAGE
