@@ -31,9 +31,9 @@ __all__ = [
     "default_prefault_threads",
 ]
 
-# Measured on the H200 (bench/RESULTS.md#pinning-h200): 16 MiB chunks keep each
-# cudaHostRegister short enough that a concurrent 24 ms GPU step stretches by ~15% at most,
-# at full pinning speed; 256 MiB chunks stretched it 2.6x.
+# Measured on the H200 with registrations in torch's context (bench/RESULTS.md#pinning-h200):
+# 16 MiB chunks keep each cudaHostRegister short enough that a concurrent 24 ms GPU step
+# stretches by ~15% at most, at full pinning speed; 256 MiB chunks stretched it 2.6x.
 DEFAULT_CHUNK_BYTES = 16 << 20
 # A larger region gets larger chunks by default (``default_chunk_bytes``).
 _MAX_DEFAULT_CHUNKS = 1024

@@ -19,6 +19,7 @@ the device memory one context takes (``bench/RESULTS.md#startup``).
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Callable
 
@@ -42,6 +43,7 @@ def _load_driver() -> ctypes.CDLL:
     lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
     lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
     lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+    lib.cuCtxDestroy_v2.argtypes = [ctypes.c_void_p]
     return lib
 
 
@@ -59,22 +61,39 @@ class PinContext:
         handle = ctypes.c_void_p()
         # cuCtxCreate makes the new context current to this thread: pop it at once.
         _check("cuCtxCreate", lib.cuCtxCreate_v2(ctypes.byref(handle), 0, dev))
-        _check("cuCtxPopCurrent", lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())))
+        popped = int(lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())))
+        if popped != 0:
+            lib.cuCtxDestroy_v2(handle)  # and so no longer current to this thread
+            _check("cuCtxPopCurrent", popped)
         self._handle = handle
 
-    def call(self, op: str, fn: Callable[..., int], *args: int) -> None:
+    def call(
+        self, op: str, fn: Callable[..., int], *args: int, undo: Callable[[], object] | None = None
+    ) -> None:
         """``fn(*args)`` with this context current to the calling thread, then the
-        thread's own current context back; raises BackendCallError if it fails."""
+        thread's own current context back; raises BackendCallError if either fails (the
+        call's own error first). Where the call worked but the context could not be
+        taken off the thread, ``undo()`` runs (still in the context) before the error
+        is raised: a pin that raises has pinned nothing."""
         _check("cuCtxPushCurrent", self._lib.cuCtxPushCurrent_v2(self._handle))
+        code = -1
         try:
             code = int(fn(*args))
         finally:
-            _check("cuCtxPopCurrent", self._lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())))
+            popped = int(self._lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())))
+            if popped != 0 and code == 0 and undo is not None:
+                undo()
         _check(op, code)
+        _check("cuCtxPopCurrent", popped)
 
     def register(self, address: int, nbytes: int) -> None:
         self.call(
-            "cuMemHostRegister", self._lib.cuMemHostRegister_v2, address, nbytes, REGISTER_FLAGS
+            "cuMemHostRegister",
+            self._lib.cuMemHostRegister_v2,
+            address,
+            nbytes,
+            REGISTER_FLAGS,
+            undo=lambda: self._lib.cuMemHostUnregister(address),
         )
 
     def unregister(self, address: int) -> None:
@@ -83,12 +102,20 @@ class PinContext:
 
 def _check(op: str, code: int) -> None:
     if code != 0:
-        # The driver's codes for these calls are the runtime's (712: already
-        # registered, 713: not registered, 2: out of memory...); name them alike.
-        from asyncpin._cudart import cuda_error_name
-
-        name, text = cuda_error_name(code)
+        name, text = _error_name(code)
         raise BackendCallError(op, code, name, text or f"{op} returned {code}")
+
+
+def _error_name(code: int) -> tuple[str, str]:
+    """The driver's codes for these calls are the runtime's (712: already registered,
+    713: not registered, 2: out of memory...): named alike, by the runtime where it can
+    be asked, else from the names asyncpin knows. Naming never hides the error."""
+    from asyncpin._cudart import KNOWN_ERRORS, cuda_error_name
+
+    try:
+        return cuda_error_name(code)
+    except Exception:
+        return KNOWN_ERRORS.get(code, f"cudaError{code}"), ""
 
 
 _lock = threading.Lock()
@@ -96,11 +123,23 @@ _contexts: dict[int, PinContext] = {}
 
 
 def pin_context(device: int) -> PinContext:
-    """The process's pin context on ``device``, made on first use (which takes about
-    0.1 s: call it from a worker thread). Raises BackendCallError, or OSError when
-    libcuda cannot be loaded, if it cannot be made; a later call tries again."""
+    """The process's pin context on ``device``, made on first use (134-160 ms on the
+    H200 with the device idle, up to a second with a model starting beside it: call it
+    from a worker thread). Raises BackendCallError, or OSError when libcuda cannot be
+    loaded, if it cannot be made; a later call tries again."""
     with _lock:
         context = _contexts.get(device)
         if context is None:
             context = _contexts[device] = PinContext(_load_driver(), device)
         return context
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's contexts (nor CUDA); and the lock may
+    have been held by a parent's thread at the fork."""
+    global _lock
+    _lock = threading.Lock()
+    _contexts.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

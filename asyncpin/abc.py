@@ -41,7 +41,7 @@ class PinBackend(Protocol):
       must be quick and raise :class:`~asyncpin.errors.PreflightError` if pinning
       ``nbytes`` more cannot succeed.
     - Optional: a class attribute ``registers_with_cuda = True`` says that what ``pin``
-      pinned is registered with CUDA (``cudaHostRegister``), so that device code may
+      pinned is registered with CUDA (``cuMemHostRegister``), so that device code may
       read and write it (:class:`~asyncpin.cuda.CudaBackend` sets it). Without it, the
       CUDA engine moves pinned blocks by DMA only.
     - Optional: a method ``before_unpin()``, called once per close in a worker thread,
@@ -86,7 +86,7 @@ class EngineSetup:
     #: submitted job has finished. Call it from the event loop thread only.
     start_soon: Callable[..., object]
     #: Whether pinned chunks are registered with the device's driver (the ``cuda``
-    #: backend's ``cudaHostRegister``), so that device code may read and write them
+    #: backend's registration), so that device code may read and write them
     #: through unified addressing: the manager sets it from the backend's
     #: ``registers_with_cuda``. False (the default) with a backend that only locks them
     #: (``host``, or one of your own that does not say so): copies of such chunks must

@@ -1,7 +1,11 @@
 """The pause gate: keeps pin/unpin calls apart from work that must not overlap them.
 
 ``cudaHostRegister`` issued while another thread captures a CUDA graph fails with error
-900 and invalidates the capture. Each manager has a :class:`PauseGate`; in addition a
+900 and invalidates the capture (measured in torch's context; from the CUDA backend's own
+context it has not been tried). The gate holds every pin backend call, and the close's
+``before_unpin`` (a device-wide synchronize for the CUDA backend) as well.
+
+Each manager has a :class:`PauseGate`; in addition a
 process-wide hold (:func:`capture_gate`) pauses the gates of every manager at once, and
 :func:`install_capture_gate` makes every ``torch.cuda.CUDAGraph`` capture take that
 hold, so an engine installs it once and need not know which managers exist.

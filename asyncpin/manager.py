@@ -63,9 +63,10 @@ class OffloadManager:
     from concurrent callers, shielded from the caller's cancellation, and always in this
     order: refuse new use (``ClosedResourceError``) → stop the pin pipeline and wait for
     its in-flight calls → wait for the transfers in flight (their device work) → close
-    the engine → unpin every chunk that was pinned, once → release the mapping.
-    A chunk whose unpin failed is left mapped (leaked and logged), never freed under the
-    device.
+    the engine → the backend's ``before_unpin`` (on a GPU: one wait for all the device's
+    work, which copies your own code queued on views must not outlast) → unpin every
+    chunk that was pinned, once → release the mapping. A chunk whose unpin failed is
+    left mapped (leaked and logged), never freed under the device.
     """
 
     def __init__(

@@ -16,12 +16,14 @@ import anyio
 import pytest
 import torch
 
+import asyncpin.region as region_module
 from asyncpin import ConfigError, OffloadManager, RegionNotFoundError, _sys
 from asyncpin._mapping import UNMAP_PIECE_BYTES
 from asyncpin.region import (
     PREFAULT_PIECE_BYTES,
     Backing,
     HostRegion,
+    next_prefault_piece,
     validate_backing,
     validate_hugepages,
     validate_nbytes,
@@ -290,30 +292,66 @@ class TestTransparentHugePages:
             region.release()
         assert region.hugepage_bytes() == 0
 
-    def test_prefault_goes_a_huge_page_at_a_time(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        # Each call holds the memory-map lock while it faults: a whole chunk at once held
-        # up every thread that maps memory meanwhile (the GIL's holder among them).
+    @staticmethod
+    def _populate_calls(
+        monkeypatch: pytest.MonkeyPatch, region: HostRegion, offset: int, nbytes: int
+    ) -> list[tuple[int, int]]:
+        """The (offset in the region, length) of each MADV_POPULATE_WRITE call that
+        ``region.prefault(offset, nbytes)`` makes."""
         calls: list[tuple[int, int, int]] = []
         real = _sys.libc_madvise
 
-        def record(address: int, nbytes: int, advice: int) -> None:
-            calls.append((address, nbytes, advice))
-            real(address, nbytes, advice)
+        def record(address: int, size: int, advice: int) -> None:
+            calls.append((address, size, advice))
+            real(address, size, advice)
 
         monkeypatch.setattr(_sys, "libc_madvise", record)
+        region.prefault(offset, nbytes)
+        monkeypatch.undo()
+        return [(a - region.address, n) for a, n, adv in calls if adv == _sys.MADV_POPULATE_WRITE]
+
+    def test_prefault_goes_a_huge_page_at_a_time(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        # Each call holds the memory-map lock while it faults: a whole chunk at once held
+        # up every thread that maps memory meanwhile (the GIL's holder among them).
+        monkeypatch.setattr(region_module, "next_prefault_piece", lambda p, w, c, n: p)
         region = HostRegion.create(8 * MIB)
         try:
             offset, nbytes = PAGE, 5 * MIB + 3 * PAGE
-            region.prefault(offset, nbytes)
-            populate = [(a, n) for a, n, advice in calls if advice == _sys.MADV_POPULATE_WRITE]
-            assert populate, "nothing was faulted in"
-            assert all(n <= PREFAULT_PIECE_BYTES for _, n in populate)
-            start = region.address + offset
-            covered = [(start + i * PREFAULT_PIECE_BYTES) for i in range(len(populate))]
-            assert [a for a, _ in populate] == covered
-            assert sum(n for _, n in populate) == nbytes
+            calls = self._populate_calls(monkeypatch, region, offset, nbytes)
+            piece = PREFAULT_PIECE_BYTES
+            assert calls == [
+                (offset, piece),
+                (offset + piece, piece),
+                (offset + 2 * piece, MIB + 3 * PAGE),
+            ]
         finally:
             region.release()
+
+    def test_prefault_pieces_grow_as_told(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        seen: list[tuple[int, int]] = []
+
+        def grow(piece: int, wall_s: float, cpu_s: float, limit: int) -> int:
+            seen.append((piece, limit))
+            return piece * 2
+
+        monkeypatch.setattr(region_module, "next_prefault_piece", grow)
+        region = HostRegion.create(16 * MIB)
+        try:
+            calls = self._populate_calls(monkeypatch, region, 0, 14 * MIB)
+            assert calls == [(0, 2 * MIB), (2 * MIB, 4 * MIB), (6 * MIB, 8 * MIB)]
+            assert seen == [(2 * MIB, 14 * MIB), (4 * MIB, 14 * MIB), (8 * MIB, 14 * MIB)]
+        finally:
+            region.release()
+
+    def test_next_prefault_piece(self) -> None:
+        piece = PREFAULT_PIECE_BYTES
+        # Faulting most of the time: the piece stays.
+        assert next_prefault_piece(piece, 1e-3, 0.9e-3, 64 * MIB) == piece
+        # Blocked more than faulting (the GIL slow to come back): four times larger, up
+        # to the limit.
+        assert next_prefault_piece(piece, 6e-3, 1e-3, 64 * MIB) == 4 * piece
+        assert next_prefault_piece(32 * MIB, 6e-3, 1e-3, 64 * MIB) == 64 * MIB
+        assert next_prefault_piece(piece, 6e-3, 1e-3, MIB) == piece
 
     def test_prefault_keeps_data(self) -> None:
         region = HostRegion.create(4 * MIB)

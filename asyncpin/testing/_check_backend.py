@@ -146,6 +146,9 @@ async def check_pin_backend(
                 )
     finally:
         with anyio.CancelScope(shield=True):
+            if pinned and callable(before_unpin := getattr(backend, "before_unpin", None)):
+                with contextlib.suppress(Exception):
+                    await anyio.to_thread.run_sync(before_unpin)
             for chunk in list(pinned):  # the check failed half way: undo what it can
                 try:
                     await anyio.to_thread.run_sync(

@@ -4,6 +4,7 @@ engine's tasks, and every job given to the engine with the reports of it."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -335,6 +336,10 @@ class EngineHarness:
         """Unpin the pinned chunks (one whose unpin raised is leaked: it stays mapped),
         drop the check's view and release the region; whether it was unmapped now."""
         assert self.backend is not None or not self.pinned_chunks
+        before_unpin = getattr(self.backend, "before_unpin", None)
+        if callable(before_unpin) and self.pinned_chunks:
+            with contextlib.suppress(Exception):  # as a close does: it unpins all the same
+                await anyio.to_thread.run_sync(before_unpin)
         for chunk in list(self.pinned_chunks):
             self.pinned_chunks.remove(chunk)
             assert self.region is not None and self.backend is not None
