@@ -5,6 +5,7 @@ engine with the router in front of it."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import anyio
@@ -160,9 +161,15 @@ class Opened:
         tasks; ``pinned`` is settled once both are over (a close leaves it to the
         manager)."""
         if self.background:
-            # First: its worker thread starts before pinning holds the memory-map lock.
-            tasks.start_soon(self._prepare_engine, log)
-        tasks.start_soon(self.scheduler.run)
+            # Its worker thread is started with the pipeline's, before anything is faulted
+            # (the memory-map lock) and before the set-up runs (a compile holds the GIL for
+            # long stretches, and each thread start on the loop waits for the new thread
+            # to take the GIL).
+            tasks.start_soon(
+                self.scheduler.run, partial(tasks.start_soon, self._prepare_engine, log)
+            )
+        else:
+            tasks.start_soon(self.scheduler.run)
 
     async def _prepare_engine(self, log: Any) -> None:
         engine = self.engine

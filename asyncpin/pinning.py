@@ -14,7 +14,7 @@ import errno
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -162,13 +162,21 @@ class PinScheduler:
 
     # -- pipeline ---------------------------------------------------------------------
 
-    async def run(self) -> None:
+    async def run(self, beside: Callable[[], object] | None = None) -> None:
+        """Run the pipeline. ``beside()``, if given, is called once the pipeline's threads
+        (and one more for it) have started and before anything is faulted, or at once if
+        starting them failed: what it starts in a worker thread finds one waiting."""
         self._log.info("pin.started", chunks=len(self.chunks), chunk_bytes=self._chunk_bytes)
         try:
             send, receive = anyio.create_memory_object_stream[Chunk](math.inf)
             prefault_limiter = anyio.CapacityLimiter(self._prefault_threads)
             pin_limiter = anyio.CapacityLimiter(self._pin_threads)
-            await _start_threads(self._prefault_threads + self._pin_threads)
+            try:
+                extra = 0 if beside is None else 1
+                await _start_threads(self._prefault_threads + self._pin_threads + extra)
+            finally:
+                if beside is not None:
+                    beside()
             async with anyio.create_task_group() as tg, send, receive:
                 for _ in range(self._prefault_threads):
                     tg.start_soon(self._prefault_worker, send.clone(), prefault_limiter)

@@ -229,6 +229,40 @@ def test_the_pipeline_starts_its_threads_before_it_faults(
     assert "after" not in started, started
 
 
+def test_no_thread_starts_while_the_engine_prepares(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The set-up (a compile) holds the GIL for long stretches, and the loop's every
+    # thread start waits for the new thread to take it: the set-up's thread and the
+    # pipeline's are started together, before the set-up runs (a fresh asyncio loop:
+    # its worker-thread pool starts empty).
+    made, backend = Made(), FakeBackend()
+    started: list[str] = []
+    start = threading.Thread.start
+    loop_thread = threading.get_ident()
+
+    def record_start(self: threading.Thread) -> None:
+        if threading.get_ident() == loop_thread:
+            started.append("during" if made.entered_prepare.is_set() else "before")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", record_start)
+
+    async def main() -> None:
+        with anyio.fail_after(TIMEOUT_S):
+            mgr = OffloadManager.for_kv(
+                _layout(), 8, backend=backend, engine=made, chunk_bytes=8192,
+                prefault_threads=2, pin_threads=1,
+            )  # fmt: skip
+            async with mgr:
+                await wait_thread_event(made.entered_prepare)
+                await mgr._opened.scheduler.pinned  # type: ignore[union-attr]
+                made.engine.let_prepare()
+                await mgr.pinned
+
+    anyio.run(main, backend="asyncio")
+    assert started.count("before") >= 4, started  # 2 + 1 for pinning, 1 for the set-up
+    assert "during" not in started, started
+
+
 async def test_an_engine_prepared_at_entry_is_ready_with_the_chunks() -> None:
     # The default (the host engine, FakeEngine): entry prepares it, as before.
     made: list[FakeEngine] = []
