@@ -32,18 +32,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from asyncpin._cudactx import _load_driver
+
 CU_MEMHOSTREGISTER_PORTABLE = 1
-
-
-def _driver() -> ctypes.CDLL:
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuCtxCreate_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint, ctypes.c_int]
-    lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
-    lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-    lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-    lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
-    lib.cuCtxDestroy_v2.argtypes = [ctypes.c_void_p]
-    return lib
 
 
 def _ok(code: int, what: str) -> None:
@@ -129,7 +120,7 @@ def main() -> int:
     torch.cuda.init()
     x = torch.ones(1 << 20, device="cuda")
     rt = torch.cuda.cudart()
-    cu = _driver()
+    cu = _load_driver()
     _ok(cu.cuInit(0), "cuInit")
     dev = ctypes.c_int()
     _ok(cu.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device()), "cuDeviceGet")
