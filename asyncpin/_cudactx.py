@@ -68,21 +68,22 @@ class PinContext:
         self._handle = handle
 
     def call(
-        self, op: str, fn: Callable[..., int], *args: int, undo: Callable[[], object] | None = None
+        self, op: str, fn: Callable[..., int], *args: int, undo: Callable[[], int] | None = None
     ) -> None:
         """``fn(*args)`` with this context current to the calling thread, then the
         thread's own current context back; raises BackendCallError if either fails (the
         call's own error first). Where the call worked but the context could not be
-        taken off the thread, ``undo()`` runs (still in the context) before the error
-        is raised: a pin that raises has pinned nothing."""
+        taken off the thread, ``undo()`` runs (still in the context) and the error is
+        raised only if it returned 0: a pin that raises has pinned nothing, and one that
+        could not be undone counts as done (its unpin comes at close)."""
         _check("cuCtxPushCurrent", self._lib.cuCtxPushCurrent_v2(self._handle))
         code = -1
         try:
             code = int(fn(*args))
         finally:
             popped = int(self._lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())))
-            if popped != 0 and code == 0 and undo is not None:
-                undo()
+            if popped != 0 and code == 0 and undo is not None and int(undo()) != 0:
+                popped = 0
         _check(op, code)
         _check("cuCtxPopCurrent", popped)
 

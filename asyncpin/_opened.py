@@ -19,7 +19,7 @@ from asyncpin._tasks import OwnedTasks
 from asyncpin.abc import EngineSetup, PinBackend, TransferEngine
 from asyncpin.backends import registers_with_cuda
 from asyncpin.engines import make_engine
-from asyncpin.errors import ConfigError, PreflightError
+from asyncpin.errors import ConfigError, PreflightError, describe_error
 from asyncpin.gate import PauseGate
 from asyncpin.kv import KVLayout
 from asyncpin.pinning import PinnedSignal, PinScheduler
@@ -289,7 +289,7 @@ class Opened:
                 chunk=chunk.index,
                 offset=chunk.offset,
                 nbytes=chunk.nbytes,
-                error=str(exc),
+                error=describe_error(exc),
                 action="left mapped (leaked): no device access can hit freed memory",
             )
         self.leaked = len(leaked)

@@ -48,8 +48,10 @@ class PinBackend(Protocol):
       through the pause gate, before the first ``unpin`` (when something was pinned):
       for a backend whose unpin does not itself wait for device work that code outside
       the manager may have queued on the memory (the ``cuda`` backend, registering from
-      a context of its own, waits for the device there). If it raises, the close logs
-      ``unpin.wait_failed`` and unpins.
+      a context of its own, waits for the device there). It must be a plain method (a
+      manager refuses anything else with ConfigError when it is made). Whatever it
+      raises, the close logs ``unpin.wait_failed`` and unpins; whatever ``unpin``
+      raises, that span is leaked and the others are still unpinned.
     """
 
     @property

@@ -8,6 +8,8 @@ that a machine with no GPU never initialises CUDA.
 
 from __future__ import annotations
 
+import inspect
+
 from asyncpin import _sys
 from asyncpin.abc import PinBackend
 from asyncpin.errors import BackendCallError, BackendUnavailableError, ConfigError, PreflightError
@@ -85,6 +87,7 @@ def resolve_backend(backend: str | PinBackend, device: int | None = None) -> Pin
     if not isinstance(backend, str):
         if not isinstance(backend, PinBackend):
             raise ConfigError(f"backend {backend!r} does not implement PinBackend")
+        validate_before_unpin(backend)
         return backend
     if backend == "auto":
         backend = "cuda" if cuda_available() else "host"
@@ -97,3 +100,34 @@ def resolve_backend(backend: str | PinBackend, device: int | None = None) -> Pin
 
         return CudaBackend(device)
     raise ConfigError(f"unknown backend {backend!r}: use one of {', '.join(BACKEND_NAMES)}")
+
+
+def validate_before_unpin(backend: PinBackend) -> None:
+    """A backend's optional ``before_unpin`` must be a plain method (a close calls it in a
+    worker thread): anything else is refused now, not skipped at close."""
+    try:
+        hook = getattr(backend, "before_unpin", None)
+    except Exception as exc:
+        raise ConfigError(f"backend {backend!r}: reading before_unpin raised {exc!r}") from exc
+    if hook is None:
+        return
+    if not callable(hook) or inspect.iscoroutinefunction(hook):
+        raise ConfigError(f"backend {backend!r}: before_unpin must be a plain method, not {hook!r}")
+
+
+def call_before_unpin(backend: object) -> BaseException | None:
+    """Call ``backend.before_unpin()`` if it has one (in a worker thread); returns what it
+    raised, or None. It never raises itself: whatever the hook does, the unpins that
+    follow it must run. An awaitable returned is closed and reported as an error."""
+    try:
+        hook = getattr(backend, "before_unpin", None)
+        if hook is None:
+            return None
+        result = hook()
+        if inspect.isawaitable(result):
+            if inspect.iscoroutine(result):
+                result.close()
+            raise TypeError("before_unpin() returned an awaitable: it must be a plain method")
+    except BaseException as exc:  # a backend's bug must not end a close
+        return exc
+    return None

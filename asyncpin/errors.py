@@ -149,3 +149,12 @@ class ForkedManagerError(LifecycleError):
     """A manager used in a process forked from the one that opened it. Its region is the
     parent's (not mapped in the child: ``MADV_DONTFORK``), and so are its pins; the child
     must open its own manager."""
+
+
+def describe_error(exc: BaseException) -> str:
+    """``str(exc)`` for a log line, or the type's name where that raises: describing a
+    backend's error must never be what fails."""
+    try:
+        return str(exc)
+    except Exception:
+        return f"<{type(exc).__name__}; str() raised>"

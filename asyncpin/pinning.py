@@ -24,8 +24,9 @@ import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from asyncpin._outcome import Outcome
+from asyncpin.backends import call_before_unpin
 from asyncpin.chunks import ChunkState, ChunkTable
-from asyncpin.errors import BackendCallError, PinError
+from asyncpin.errors import BackendCallError, PinError, describe_error
 from asyncpin.gate import PauseGate
 from asyncpin.region import Chunk, HostRegion
 
@@ -303,6 +304,14 @@ class PinScheduler:
         finally:
             self.gate.exit_call()
 
+    def _before_unpin(self) -> None:
+        """The backend's optional ``before_unpin()``; what it raises is logged as
+        ``unpin.wait_failed`` and unpinning goes on: what it waits for is the device's,
+        and a device that fails here fails every copy too."""
+        error = call_before_unpin(self.backend)
+        if error is not None:
+            self._log.warning("unpin.wait_failed", error=describe_error(error))
+
     def _fail(self, chunk: Chunk, exc: BaseException, stage: str) -> None:
         code = getattr(exc, "code", None) if isinstance(exc, BackendCallError) else None
         code_name = exc.code_name if isinstance(exc, BackendCallError) else None
@@ -315,20 +324,16 @@ class PinScheduler:
         self.table.fail(chunk.index, error)
         self.stop()
 
-    def unpin_all(self) -> list[tuple[Chunk, Exception]]:
+    def unpin_all(self) -> list[tuple[Chunk, BaseException]]:
         """Unpin every pinned chunk once, in order, through the gate; returns the chunks
-        whose unpin failed, with why (they must stay mapped). Call once the pipeline is done."""
-        leaked: list[tuple[Chunk, Exception]] = []
+        whose unpin failed, with why (they must stay mapped). Call once the pipeline is
+        done. Nothing a backend raises stops it: each chunk is unpinned or leaked."""
+        leaked: list[tuple[Chunk, BaseException]] = []
         t0 = time.perf_counter()
-        before_unpin = getattr(self.backend, "before_unpin", None)
-        if callable(before_unpin) and self.table.chunks_pinned:
+        if self.table.chunks_pinned:
             self.gate.enter_call()
             try:
-                before_unpin()
-            except Exception as exc:
-                # Unpinning goes on: what it waited for is the device's, and a device
-                # that fails here fails every copy too.
-                self._log.warning("unpin.wait_failed", error=str(exc))
+                self._before_unpin()
             finally:
                 self.gate.exit_call()
         for chunk in self.chunks:
@@ -337,7 +342,7 @@ class PinScheduler:
             self.gate.enter_call()
             try:
                 self.backend.unpin(self.region.address + chunk.offset, chunk.nbytes)
-            except Exception as exc:
+            except BaseException as exc:  # a backend's bug must not end the close here
                 self.table.mark(chunk.index, ChunkState.LEAKED)
                 leaked.append((chunk, exc))
             else:

@@ -84,6 +84,15 @@ class TestPinContext:
         ]
         assert driver.calls[-1][1:] == (ADDRESS,)
 
+    def test_a_register_that_cannot_be_undone_counts_as_done(self) -> None:
+        # Still registered: raising would leave it registered with nobody to unpin it;
+        # returning lets the close unregister it like any other chunk.
+        driver = RecordingDriver(cuMemHostUnregister=[1])
+        context = make(driver)
+        driver.codes["cuCtxPopCurrent_v2"] = [201]
+        context.register(ADDRESS, NBYTES)
+        assert driver.names()[-1] == "cuMemHostUnregister"
+
     def test_the_calls_own_error_comes_before_a_failed_pop(self) -> None:
         driver = RecordingDriver(cuMemHostRegister_v2=[ALREADY_REGISTERED])
         context = make(driver)

@@ -11,8 +11,8 @@ import anyio.to_thread
 
 from asyncpin import _sys
 from asyncpin.abc import PinBackend
-from asyncpin.backends import HostBackend
-from asyncpin.errors import BackendCallError, PreflightError
+from asyncpin.backends import HostBackend, call_before_unpin, validate_before_unpin
+from asyncpin.errors import BackendCallError, ConfigError, PreflightError
 from asyncpin.region import Chunk, HostRegion
 
 __all__ = ["check_pin_backend"]
@@ -121,16 +121,13 @@ async def check_pin_backend(
                 raise
             pinned.remove(chunk)
 
-        before_unpin = getattr(backend, "before_unpin", None)
-        if before_unpin is not None:
-            if not callable(before_unpin):
-                raise AssertionError(f"{name}: before_unpin must be a method, got {before_unpin!r}")
-            try:
-                await anyio.to_thread.run_sync(before_unpin)
-            except Exception as exc:
-                raise AssertionError(
-                    f"{name}: before_unpin() raised {exc!r} with spans pinned"
-                ) from exc
+        try:
+            validate_before_unpin(backend)
+        except ConfigError as exc:
+            raise AssertionError(f"{name}: {exc}") from exc
+        error = await anyio.to_thread.run_sync(call_before_unpin, backend)
+        if error is not None:
+            raise AssertionError(f"{name}: before_unpin() raised {error!r} with spans pinned")
         await _each(name, "unpin of a pinned span", unpin, list(pinned))
         if counting:
             left = _sys.vm_locked_bytes() - baseline
@@ -146,9 +143,8 @@ async def check_pin_backend(
                 )
     finally:
         with anyio.CancelScope(shield=True):
-            if pinned and callable(before_unpin := getattr(backend, "before_unpin", None)):
-                with contextlib.suppress(Exception):
-                    await anyio.to_thread.run_sync(before_unpin)
+            if pinned:
+                await anyio.to_thread.run_sync(call_before_unpin, backend)
             for chunk in list(pinned):  # the check failed half way: undo what it can
                 try:
                     await anyio.to_thread.run_sync(

@@ -4,7 +4,6 @@ engine's tasks, and every job given to the engine with the reports of it."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ import anyio.to_thread
 from asyncpin import _sys
 from asyncpin._tasks import OwnedTasks
 from asyncpin.abc import EngineFactory, EngineSetup, PinBackend, TransferEngine
-from asyncpin.backends import registers_with_cuda
+from asyncpin.backends import call_before_unpin, registers_with_cuda
 from asyncpin.kv import KVLayout
 from asyncpin.region import Chunk, HostRegion, round_to_pages
 from asyncpin.testing._engine_blocks import Blocks
@@ -336,10 +335,8 @@ class EngineHarness:
         """Unpin the pinned chunks (one whose unpin raised is leaked: it stays mapped),
         drop the check's view and release the region; whether it was unmapped now."""
         assert self.backend is not None or not self.pinned_chunks
-        before_unpin = getattr(self.backend, "before_unpin", None)
-        if callable(before_unpin) and self.pinned_chunks:
-            with contextlib.suppress(Exception):  # as a close does: it unpins all the same
-                await anyio.to_thread.run_sync(before_unpin)
+        if self.pinned_chunks:  # as a close does: it unpins whatever this raised
+            await anyio.to_thread.run_sync(call_before_unpin, self.backend)
         for chunk in list(self.pinned_chunks):
             self.pinned_chunks.remove(chunk)
             assert self.region is not None and self.backend is not None
