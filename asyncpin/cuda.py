@@ -25,7 +25,7 @@ import torch
 
 from asyncpin._cudactx import PinContext, pin_context
 from asyncpin._cudart import cuda_error_name, cudart
-from asyncpin.errors import BackendCallError, BackendUnavailableError
+from asyncpin.errors import BackendCallError, BackendUnavailableError, describe_error
 
 __all__ = ["CUDA_MAX_PIN_BYTES", "CudaBackend"]
 
@@ -79,11 +79,13 @@ class CudaBackend:
                     structlog.get_logger("asyncpin").debug(
                         "pin.own_context", device=self._device, seconds=time.perf_counter() - t0
                     )
-                except (OSError, BackendCallError) as exc:
+                except Exception as exc:  # no libcuda, a driver without these calls...
                     # Registering in the runtime's context still works, with its costs.
                     self._own_context = False
                     structlog.get_logger("asyncpin").warning(
-                        "pin.own_context_unavailable", device=self._device, error=str(exc)
+                        "pin.own_context_unavailable",
+                        device=self._device,
+                        error=describe_error(exc),
                     )
             return self._context
 
