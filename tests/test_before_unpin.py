@@ -144,28 +144,32 @@ class TestRefusedWhenMade:
 
 
 class TestCheckPinBackend:
-    async def test_a_raising_property_is_named_and_nothing_leaks(self) -> None:
+    async def test_a_raising_property_is_named_and_nothing_leaks(
+        self, balanced_mappings: list[tuple[str, int, int]]
+    ) -> None:
         class Reading(HostBackend):
             @property
             def before_unpin(self) -> Callable[[], None]:
                 raise RuntimeError("reading before_unpin fails")
 
-        locked, maps = _sys.vm_locked_bytes(), _maps()
+        locked = _sys.vm_locked_bytes()
         with pytest.raises(AssertionError, match="before_unpin"):
             await check_pin_backend(Reading(), locked_bytes=True)
         assert _sys.vm_locked_bytes() == locked
-        assert _maps() == maps
+        assert balanced_mappings  # the region was mapped; the fixture checks it was unmapped
 
-    async def test_a_base_exception_is_named_and_nothing_leaks(self) -> None:
+    async def test_a_base_exception_is_named_and_nothing_leaks(
+        self, balanced_mappings: list[tuple[str, int, int]]
+    ) -> None:
         class Raising(HostBackend):
             def before_unpin(self) -> None:
                 raise Weird("before_unpin")
 
-        locked, maps = _sys.vm_locked_bytes(), _maps()
+        locked = _sys.vm_locked_bytes()
         with pytest.raises(AssertionError, match="before_unpin"):
             await check_pin_backend(Raising(), locked_bytes=True)
         assert _sys.vm_locked_bytes() == locked
-        assert _maps() == maps
+        assert balanced_mappings  # the region was mapped; the fixture checks it was unmapped
 
 
 def test_call_before_unpin_returns_what_it_raised() -> None:
@@ -175,8 +179,3 @@ def test_call_before_unpin_returns_what_it_raised() -> None:
     assert call_before_unpin(NoHook()) is None
     error = call_before_unpin(Hooked(_raise(Weird("x"))))
     assert isinstance(error, Weird)
-
-
-def _maps() -> int:
-    with open("/proc/self/maps") as f:
-        return sum(1 for _ in f)
