@@ -23,6 +23,7 @@ import os
 import threading
 from collections.abc import Callable
 
+from asyncpin._cudart import KNOWN_ERRORS, cuda_error_name
 from asyncpin.errors import BackendCallError
 
 __all__ = ["PinContext", "pin_context"]
@@ -111,8 +112,6 @@ def _error_name(code: int) -> tuple[str, str]:
     """The driver's codes for these calls are the runtime's (712: already registered,
     713: not registered, 2: out of memory...): named alike, by the runtime where it can
     be asked, else from the names asyncpin knows. Naming never hides the error."""
-    from asyncpin._cudart import KNOWN_ERRORS, cuda_error_name
-
     try:
         return cuda_error_name(code)
     except Exception:

@@ -116,12 +116,7 @@ class TestCloseGoesOn:
                 super().unpin(address, nbytes)
 
         backend = Unpin()
-        with anyio.fail_after(TIMEOUT_S), capture_logs() as logs:
-            async with OffloadManager(
-                NBYTES, backend=backend, chunk_bytes=CHUNK, prefault_threads=1, pin_threads=1
-            ) as mgr:
-                address = mgr.host_view().data_ptr()
-                await mgr.pinned
+        mgr, address, logs = await _open_pin_close(backend)
         assert mgr.state is ManagerState.CLOSED
         assert len(backend.unpinned_spans()) == NCHUNKS  # every chunk was tried, once
         assert mgr.stats().chunks_leaked == 1
@@ -143,31 +138,27 @@ class TestRefusedWhenMade:
             OffloadManager(NBYTES, backend=backend, chunk_bytes=CHUNK)
 
 
+class ReadingFails(HostBackend):
+    @property
+    def before_unpin(self) -> Callable[[], None]:
+        raise RuntimeError("reading before_unpin fails")
+
+
+class RaisesWeird(HostBackend):
+    def before_unpin(self) -> None:
+        raise Weird("before_unpin")
+
+
 class TestCheckPinBackend:
-    async def test_a_raising_property_is_named_and_nothing_leaks(
-        self, balanced_mappings: list[tuple[str, int, int]]
+    @pytest.mark.parametrize(
+        "backend_class", [ReadingFails, RaisesWeird], ids=["raising-property", "base-exception"]
+    )
+    async def test_a_broken_hook_is_named_and_nothing_leaks(
+        self, backend_class: type[HostBackend], balanced_mappings: list[tuple[str, int, int]]
     ) -> None:
-        class Reading(HostBackend):
-            @property
-            def before_unpin(self) -> Callable[[], None]:
-                raise RuntimeError("reading before_unpin fails")
-
         locked = _sys.vm_locked_bytes()
         with pytest.raises(AssertionError, match="before_unpin"):
-            await check_pin_backend(Reading(), locked_bytes=True)
-        assert _sys.vm_locked_bytes() == locked
-        assert balanced_mappings  # the region was mapped; the fixture checks it was unmapped
-
-    async def test_a_base_exception_is_named_and_nothing_leaks(
-        self, balanced_mappings: list[tuple[str, int, int]]
-    ) -> None:
-        class Raising(HostBackend):
-            def before_unpin(self) -> None:
-                raise Weird("before_unpin")
-
-        locked = _sys.vm_locked_bytes()
-        with pytest.raises(AssertionError, match="before_unpin"):
-            await check_pin_backend(Raising(), locked_bytes=True)
+            await check_pin_backend(backend_class(), locked_bytes=True)
         assert _sys.vm_locked_bytes() == locked
         assert balanced_mappings  # the region was mapped; the fixture checks it was unmapped
 
