@@ -1,0 +1,198 @@
+"""What holds a process's other threads up while its first KV manager opens? (Issue 17:
+the first manager of a process stalled the event loop 51-244 ms and stretched a model's
+step up to 20x; 100 GiB, run 89: 181 ms and a 217 ms step early in the opening.)
+
+    python3 bench/probes/first_manager.py [--preload]
+
+In a fresh process, with a model's step running in a thread (8 bf16 matmuls of 8192,
+then a wait for its stream) and a GIL meter (a thread sleeping 0.5 ms in a loop: each
+wake's overshoot is how long it waited for the GIL, or the CPU), runs one after another
+what a first ``OffloadManager.for_kv`` does in the background, each a phase:
+
+- ``preload`` (with ``--preload``): Triton's native libraries loaded through ctypes
+  (``preload_native_libraries``, which the engine now calls before importing Triton),
+  which lets go of the GIL while the dynamic loader works;
+- ``import-triton``: ``import triton, triton.language``;
+- ``import-kernel``: ``asyncpin._kernels`` (the JIT function);
+- ``own-context``: the CUDA backend's first pin call, which makes its context;
+- ``manager``: a 1 GiB ``OffloadManager.for_kv`` entered, ``pinned`` awaited, closed
+  (the engine's set-up: streams, buffers, the kernel's compile and load); its
+  construction and entry are timed and profiled (``JSON_OUT.entry-profile.txt``).
+
+For each phase: its time, the meter's longest wait, the longest step over the step alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import threading
+import time
+from collections.abc import Callable
+
+import anyio
+import torch
+
+import asyncpin
+from asyncpin.cuda import CudaBackend
+from asyncpin.engines.cuda.methods import preload_native_libraries
+from asyncpin.region import HostRegion
+
+
+class Meter:
+    """Sleeps 0.5 ms in a loop; records (wake, overshoot)."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            time.sleep(0.0005)
+            now = time.perf_counter()
+            self.samples.append((now, now - t0 - 0.0005))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def worst(self, start: float, end: float) -> float:
+        return max((late for t, late in self.samples if start <= t <= end), default=0.0)
+
+
+class Steps:
+    def __init__(self) -> None:
+        self.a = torch.randn(8192, 8192, device="cuda").to(torch.bfloat16)
+        self.b = torch.randn(8192, 8192, device="cuda").to(torch.bfloat16)
+        self.stream = torch.cuda.Stream()
+        self.spans: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            with torch.cuda.stream(self.stream):
+                for _ in range(8):
+                    torch.mm(self.a, self.b)
+            self.stream.synchronize()
+            self.spans.append((t0, time.perf_counter()))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def longest(self, start: float, end: float) -> float:
+        # A step that overlaps the phase at all counts.
+        return max((e - s for s, e in self.spans if s <= end and e >= start), default=0.0)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--preload", action="store_true")
+    p.add_argument("--json-out")
+    args = p.parse_args()
+    steps, meter = Steps(), Meter()
+    steps.start()
+    meter.start()
+    time.sleep(1.0)
+    phases: dict[str, tuple[float, float]] = {}
+    info: dict[str, object] = {}
+
+    def phase(name: str, fn: Callable[[], object]) -> None:
+        t0 = time.perf_counter()
+        info[name] = fn()
+        phases[name] = (t0, time.perf_counter())
+        time.sleep(0.3)
+
+    phase("idle", lambda: time.sleep(0.5))
+    if args.preload:
+        phase("preload", preload_native_libraries)
+
+    def import_triton() -> str:
+        import triton
+        import triton.language
+
+        return str(triton.__version__)
+
+    def import_kernel() -> None:
+        import asyncpin._kernels  # noqa: F401
+
+    phase("import-triton", import_triton)
+    phase("import-kernel", import_kernel)
+    region = HostRegion.create(2 << 20)
+    backend = CudaBackend(0)
+
+    def own_context() -> None:
+        backend.pin(region.address, 2 << 20)
+        backend.unpin(region.address, 2 << 20)
+
+    phase("own-context", own_context)
+    region.release()
+    # The Llama-3.1-8B layout of the start-up bench: 64 arrays of 32 KiB blocks.
+    arrays = [torch.zeros(512, 16, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(64)]
+    layout = asyncpin.KVLayout.from_tensors(arrays)
+
+    profiles: list[str] = []
+
+    async def manager() -> dict[str, float]:
+        # The construction and entry (on the event loop) profiled, the rest not.
+        profile = cProfile.Profile()
+        t0 = time.perf_counter()
+        profile.enable()
+        mgr = asyncpin.OffloadManager.for_kv(layout, num_host_blocks=512)
+        t1 = time.perf_counter()
+        async with mgr:
+            t2 = time.perf_counter()
+            profile.disable()
+            await mgr.pinned
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
+        profiles.append(text.getvalue())
+        return {"construct_ms": round((t1 - t0) * 1e3, 2), "enter_ms": round((t2 - t1) * 1e3, 2)}
+
+    phase("manager", lambda: anyio.run(manager))
+    steps.stop()
+    meter.stop()
+    alone = statistics.median(e - s for s, e in steps.spans if phases["idle"][0] <= s)
+    out = {
+        "preload": args.preload,
+        "step_alone_ms": round(alone * 1e3, 2),
+        "info": {k: v for k, v in info.items() if v is not None},
+        "phases": {
+            name: {
+                "seconds": round(b - a, 3),
+                "meter_worst_ms": round(meter.worst(a, b) * 1e3, 2),
+                "step_x": round(steps.longest(a, b) / alone, 2),
+            }
+            for name, (a, b) in phases.items()
+        },
+    }
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(out, f, indent=1)
+        with open(args.json_out + ".entry-profile.txt", "w") as f:
+            f.write("".join(profiles))
+    print(f"preload={args.preload} step alone {out['step_alone_ms']} ms {out['info']}")
+    for name, row in out["phases"].items():
+        print(
+            f"  {name:14} {row['seconds']:8.3f} s  meter {row['meter_worst_ms']:8.2f} ms"
+            f"  step x{row['step_x']}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
