@@ -28,7 +28,9 @@ that began in each phase, over the step alone; graph captures made and failed (t
 capturing thread captures and replays 4 small matmuls every 20 ms, in
 ``capture_error_mode="relaxed"``: in the stricter modes the model's loop in another
 thread failed every capture; ``install_capture_gate()`` is on for every recipe, it only
-holds asyncpin's calls). Each phase's worst lag comes with the loop thread's stack at
+holds asyncpin's calls). First, ``quiet``: two seconds of the step, the captures and
+the heartbeat with nothing of the tier running, the longest step and lag the setting
+gives by itself. Each phase's worst lag comes with the loop thread's stack at
 that moment (sampled by a watchdog thread), and each pin and unpin call is timed, to see
 where the time goes.
 
@@ -470,6 +472,23 @@ async def cold_pair(nbytes: int, hb: Heartbeat, steps: StepLog | None, alone: fl
     }
 
 
+async def quiet(
+    hb: Heartbeat, steps: StepLog | None, alone: float, seconds: float
+) -> dict[str, Any]:
+    """Two seconds of the heartbeat, the step and the captures with nothing of the tier's
+    running: the longest step and lag the setting itself gives."""
+    start = Clock.now()
+    await anyio.sleep(seconds)
+    end = Clock.now()
+    out: dict[str, Any] = {"seconds": end - start, "lag_s": hb.worst(start, end)[0]}
+    if steps is not None:
+        out["stretch"] = steps.longest(start, end) / alone
+        within = steps.within(start, end)
+        out["steps"] = len(within)
+        out["over_1_5x"] = sum(e - s > 1.5 * alone for s, e in within) / max(1, len(within))
+    return out
+
+
 async def bench(args: Any) -> dict[str, Any]:
     gpu = torch.cuda.is_available()
     steps = StepLog() if gpu else None
@@ -485,6 +504,7 @@ async def bench(args: Any) -> dict[str, Any]:
         if capturer is not None:
             capturer.start()
         try:
+            doc["quiet"] = await quiet(hb, steps, alone, 0.2 if args.quick else 2.0)
             if args.cold:
                 # The copy kernel's compile (once per process) out of the cold figures.
                 await asyncpin_run(Run("asyncpin", HOST_BLOCK), *kv_layout(4)[:1], trips=0)
@@ -552,6 +572,12 @@ def _t(seconds: float) -> str:
 def print_table(doc: dict[str, Any]) -> None:
     where = doc["machine"]["gpu"] or "host backend (no GPU)"
     print(f"\nStart-up on {where}; step alone {doc['step_alone_s'] * 1e3:.1f} ms; medians")
+    q = doc.get("quiet")
+    if q is not None:
+        print(
+            f"quiet (captures and heartbeat, no tier), {q['seconds']:.1f} s: lag {_t(q['lag_s'])}"
+            + (f", step x{q['stretch']:.2f}" if "stretch" in q else "")
+        )
     head = (
         f"{'size':>7} {'recipe':<9} {'n':>2} {'enter':>9} {'ready':>8} {'close':>8} "
         f"{'lag open':>9} {'serve':>8} {'close':>8} {'step open':>9} {'close':>6}"
