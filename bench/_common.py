@@ -211,6 +211,45 @@ class GpuStepper:
             self.steps.append(self.step())
 
 
+class StreamSteps:
+    """The start-up bench's model step (8 bf16 matmuls of 8192, then a wait for its own
+    stream) in a thread, each step's (start, launched, end) kept: the launches' part and
+    the wait's part apart. For the probes."""
+
+    def __init__(self) -> None:
+        self.a = torch.randn(8192, 8192, device="cuda").to(torch.bfloat16)
+        self.b = torch.randn(8192, 8192, device="cuda").to(torch.bfloat16)
+        self.stream = torch.cuda.Stream()
+        self.spans: list[tuple[float, float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            with torch.cuda.stream(self.stream):
+                for _ in range(8):
+                    torch.mm(self.a, self.b)
+            t1 = time.perf_counter()
+            self.stream.synchronize()
+            self.spans.append((t0, t1, time.perf_counter()))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def during(self, start: float, end: float) -> list[tuple[float, float, float]]:
+        """The steps that began in [start, end]."""
+        return [s for s in self.spans if start <= s[0] <= end]
+
+    def overlapping(self, start: float, end: float) -> list[tuple[float, float, float]]:
+        """The steps that overlap [start, end] at all."""
+        return [s for s in self.spans if s[0] <= end and s[2] >= start]
+
+
 def cudart() -> ctypes.CDLL:
     """The CUDA runtime torch loaded into this process (for calls torch does not bind)."""
     torch.cuda.init()

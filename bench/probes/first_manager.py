@@ -30,17 +30,22 @@ import io
 import json
 import pstats
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import anyio
 import torch
+
+sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 import asyncpin
 from asyncpin.cuda import CudaBackend
 from asyncpin.engines.cuda.methods import preload_native_libraries
 from asyncpin.region import HostRegion
+from bench._common import StreamSteps
 
 
 class Meter:
@@ -69,34 +74,8 @@ class Meter:
         return max((late for t, late in self.samples if start <= t <= end), default=0.0)
 
 
-class Steps:
-    def __init__(self) -> None:
-        self.a = torch.randn(8192, 8192, device="cuda").to(torch.bfloat16)
-        self.b = torch.randn(8192, 8192, device="cuda").to(torch.bfloat16)
-        self.stream = torch.cuda.Stream()
-        self.spans: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            with torch.cuda.stream(self.stream):
-                for _ in range(8):
-                    torch.mm(self.a, self.b)
-            self.stream.synchronize()
-            self.spans.append((t0, time.perf_counter()))
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def longest(self, start: float, end: float) -> float:
-        # A step that overlaps the phase at all counts.
-        return max((e - s for s, e in self.spans if s <= end and e >= start), default=0.0)
+def longest(spans: list[tuple[float, float, float]]) -> float:
+    return max((e - s for s, _, e in spans), default=0.0)
 
 
 def main() -> int:
@@ -104,7 +83,7 @@ def main() -> int:
     p.add_argument("--preload", action="store_true")
     p.add_argument("--json-out")
     args = p.parse_args()
-    steps, meter = Steps(), Meter()
+    steps, meter = StreamSteps(), Meter()
     steps.start()
     meter.start()
     time.sleep(1.0)
@@ -166,7 +145,7 @@ def main() -> int:
     phase("manager", lambda: anyio.run(manager))
     steps.stop()
     meter.stop()
-    alone = statistics.median(e - s for s, e in steps.spans if phases["idle"][0] <= s)
+    alone = statistics.median(e - s for s, _, e in steps.during(*phases["idle"]))
     out = {
         "preload": args.preload,
         "step_alone_ms": round(alone * 1e3, 2),
@@ -175,7 +154,7 @@ def main() -> int:
             name: {
                 "seconds": round(b - a, 3),
                 "meter_worst_ms": round(meter.worst(a, b) * 1e3, 2),
-                "step_x": round(steps.longest(a, b) / alone, 2),
+                "step_x": round(longest(steps.overlapping(a, b)) / alone, 2),
             }
             for name, (a, b) in phases.items()
         },

@@ -34,50 +34,24 @@ import functools
 import json
 import queue
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import anyio
-import torch
+
+sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 import asyncpin
 from asyncpin import _sys
 from asyncpin._config import default_prefault_threads
 from asyncpin.cuda import CudaBackend
 from asyncpin.region import HostRegion
+from bench._common import StreamSteps
 
 CHUNK = 64 << 20
-
-
-class Steps:
-    def __init__(self) -> None:
-        self.a = torch.randn(8192, 8192, device="cuda").to(torch.bfloat16)
-        self.b = torch.randn(8192, 8192, device="cuda").to(torch.bfloat16)
-        self.stream = torch.cuda.Stream()
-        self.spans: list[tuple[float, float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            with torch.cuda.stream(self.stream):
-                for _ in range(8):
-                    torch.mm(self.a, self.b)
-            t1 = time.perf_counter()
-            self.stream.synchronize()
-            self.spans.append((t0, t1, time.perf_counter()))
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def during(self, start: float, end: float) -> list[tuple[float, float, float]]:
-        return [s for s in self.spans if start <= s[0] <= end]
 
 
 def in_threads(n: int, items: list[int], work: Callable[[int], None]) -> None:
@@ -131,7 +105,7 @@ def main() -> int:
     nbytes = args.gib << 30
     offsets = list(range(0, nbytes, CHUNK))
     threads = default_prefault_threads()
-    steps = Steps()
+    steps = StreamSteps()
     steps.start()
     time.sleep(1.0)
     phases: dict[str, tuple[float, float]] = {}
