@@ -278,7 +278,8 @@ class PinScheduler:
         if self._stop.is_set():
             return False
         try:
-            self.region.prefault(chunk.offset, chunk.nbytes)
+            if not self.region.prefault(chunk.offset, chunk.nbytes, self._stop):
+                return False  # stopped between two pieces
         except BaseException as exc:
             self._fail(chunk, exc, "prefault")
             return False

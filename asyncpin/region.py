@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -301,9 +302,11 @@ class HostRegion:
         array._asyncpin_mapping = self._mapping  # type: ignore[attr-defined]
         return torch.frombuffer(array, dtype=torch.uint8)
 
-    def prefault(self, offset: int, nbytes: int) -> None:
+    def prefault(self, offset: int, nbytes: int, stop: threading.Event | None = None) -> bool:
         """Fault in ``[offset, offset+nbytes)`` for writing, with the GIL released, without
-        changing a byte, in pieces of :data:`PREFAULT_PIECE_BYTES`.
+        changing a byte, in pieces of :data:`PREFAULT_PIECE_BYTES`. Returns False when
+        ``stop`` was set before the last piece (what is left is not faulted: a close
+        waits for one piece, not a whole chunk), else True.
 
         Uses MADV_POPULATE_WRITE (an error, not SIGBUS, if memory runs out). Kernels
         before 5.14 lack it (EINVAL): then this does nothing and the pin call (mlock,
@@ -321,6 +324,8 @@ class HostRegion:
             # kernel launch). A 64 MiB chunk took ~25 ms on the H200; 2 MiB ~1 ms.
             piece, start, end = PREFAULT_PIECE_BYTES, offset, offset + nbytes
             while start < end:
+                if stop is not None and stop.is_set():
+                    return False
                 size = min(piece, end - start)
                 wall, cpu = time.perf_counter(), time.thread_time()
                 _sys.libc_madvise(self._address + start, size, _sys.MADV_POPULATE_WRITE)
@@ -330,7 +335,7 @@ class HostRegion:
                 )
         except OSError as exc:
             if exc.errno == errno.EINVAL:
-                return
+                return True
             if exc.errno == errno.EFAULT and self.backing == "shared":
                 raise _sys.LibcError(
                     f"faulting in /dev/shm/{self.name} (the file system ran out of space: "
@@ -338,6 +343,7 @@ class HostRegion:
                     errno.ENOSPC,
                 ) from exc
             raise
+        return True
 
     def reserve(self, spans: list[tuple[int, int]]) -> None:
         """Give the ``(offset, nbytes)`` spans of a shared region their memory in /dev/shm

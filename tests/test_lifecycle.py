@@ -201,6 +201,45 @@ class TestCloseOrder:
         # The stalled pin succeeded once released, so it is unpinned too, while mapped.
         assert_closed_cleanly(mgr, fake, address, range(stall_at + 1))
 
+    async def test_close_during_a_prefault_waits_for_one_piece(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # A chunk is faulted in a piece at a time, and a close stops the pipeline between
+        # two pieces: it waits for one piece, not for a whole chunk (chunk_bytes has no
+        # upper bound; a GiB of cold memory takes most of a second to fault).
+        piece = asyncpin.region.PREFAULT_PIECE_BYTES
+        entered, release = threading.Event(), threading.Event()
+        pieces: list[int] = []
+        real = _sys.libc_madvise
+
+        def madvise(address: int, nbytes: int, advice: int) -> None:
+            if advice == _sys.MADV_POPULATE_WRITE:
+                pieces.append(nbytes)
+                if len(pieces) == 1:
+                    entered.set()
+                    release.wait(TIMEOUT_S)
+            real(address, nbytes, advice)
+
+        monkeypatch.setattr(_sys, "libc_madvise", madvise)
+        monkeypatch.setattr(asyncpin.region, "next_prefault_piece", lambda p, w, c, n: p)
+        fake = FakeBackend()
+        mgr = OffloadManager(8 * piece, backend=fake, chunk_bytes=8 * piece, prefault_threads=1)
+        with anyio.fail_after(TIMEOUT_S):
+            async with mgr:
+                address = mgr.host_view().data_ptr()
+                async with anyio.create_task_group() as tg:
+                    try:
+                        await wait_thread_event(entered)
+                        tg.start_soon(mgr.aclose)
+                        await anyio.wait_all_tasks_blocked()
+                        assert mgr.state is ManagerState.CLOSING
+                    finally:
+                        release.set()
+        assert pieces == [piece]
+        assert fake.calls == []
+        assert not is_mapped(address, 8 * piece)
+        assert mgr.state is ManagerState.CLOSED
+
     async def test_close_after_pinned(self) -> None:
         fake = FakeBackend()
         with anyio.fail_after(TIMEOUT_S):

@@ -8,6 +8,7 @@ import itertools
 import mmap
 import os
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -340,6 +341,29 @@ class TestTransparentHugePages:
             calls = self._populate_calls(monkeypatch, region, 0, 14 * MIB)
             assert calls == [(0, 2 * MIB), (2 * MIB, 4 * MIB), (6 * MIB, 8 * MIB)]
             assert seen == [(2 * MIB, 14 * MIB), (4 * MIB, 14 * MIB), (8 * MIB, 14 * MIB)]
+        finally:
+            region.release()
+
+    def test_prefault_stops_between_pieces(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(region_module, "next_prefault_piece", lambda p, w, c, n: p)
+        region = HostRegion.create(8 * MIB)
+        stop = threading.Event()
+        calls: list[int] = []
+        real = _sys.libc_madvise
+
+        def madvise(address: int, size: int, advice: int) -> None:
+            calls.append(size)
+            stop.set()  # set during the first piece: that piece completes, no other starts
+            real(address, size, advice)
+
+        try:
+            assert region.prefault(0, 8 * MIB, stop) is True  # nothing asked it to stop
+            monkeypatch.setattr(_sys, "libc_madvise", madvise)
+            stop.clear()
+            assert region.prefault(0, 8 * MIB, stop) is False
+            assert calls == [PREFAULT_PIECE_BYTES]
+            assert region.prefault(0, 8 * MIB, stop) is False  # set before: no call at all
+            assert calls == [PREFAULT_PIECE_BYTES]
         finally:
             region.release()
 
