@@ -76,7 +76,8 @@ _THREAD_START_S = 5.0
 
 
 class PinScheduler:
-    """Runs the pipeline for one region; :meth:`stop` ends it at the next chunk boundary.
+    """Runs the pipeline for one region; :meth:`stop` ends it after the prefault pieces
+    and pin calls under way.
 
     It owns the chunk table and settles ``pinned`` when it ends: done when every chunk
     is pinned, the PinError when one failed (a close leaves it to the manager)."""
@@ -141,7 +142,8 @@ class PinScheduler:
     # -- control ----------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Ask the pipeline to end at the next chunk boundary (thread-safe)."""
+        """Ask the pipeline to end after the prefault pieces and pin calls under way
+        (thread-safe)."""
         self._stop.set()
         self.table.stop()
         self.gate.wake()
