@@ -44,6 +44,7 @@ from asyncpin.shm import (
 
 __all__ = [
     "MAX_NBYTES",
+    "PREFAULT_MAX_PIECE_BYTES",
     "PREFAULT_PIECE_BYTES",
     "Backing",
     "Chunk",
@@ -63,20 +64,24 @@ HugePages = Literal["thp", "hugetlb", "none"]
 # Far beyond any machine's memory, and far below where size arithmetic (and size_t) wraps.
 MAX_NBYTES = 1 << 56
 # What one prefault system call faults in (HostRegion.prefault), unless the GIL is slow
-# to come back (next_prefault_piece).
+# to come back (next_prefault_piece), and the most it grows to.
 PREFAULT_PIECE_BYTES = HUGE_PAGE
+PREFAULT_MAX_PIECE_BYTES = 4 * HUGE_PAGE
 
 
 def next_prefault_piece(piece: int, wall_s: float, cpu_s: float, limit: int) -> int:
     """The next prefault call's size, from how the last one went: four times larger (up
-    to ``limit``) when the call spent more of its time blocked than faulting. Back from
-    the call, the thread waits for the GIL; an event loop busy in Python can hold it
-    for a whole switch interval (5 ms) each time: prefaulting 2 GiB in 64 MiB chunks
-    next to such a loop took 9.5-12.4 s a huge page per call, 5.7-5.9 s growing this
-    way and 2.9-4.0 s a chunk per call (3.2-4.0 s each way next to an idle loop), on
-    the dev machine. With the GIL free the pieces stay one huge page."""
+    to ``limit`` and :data:`PREFAULT_MAX_PIECE_BYTES`) when the call spent more of its
+    time blocked than faulting. Back from the call, the thread waits for the GIL; an
+    event loop busy in Python can hold it for a whole switch interval (5 ms) each time:
+    prefaulting 2 GiB in 64 MiB chunks next to such a loop took 9.5-12.4 s a huge page
+    per call, 5.7-5.9 s growing this way and 2.9-4.0 s a chunk per call (3.2-4.0 s each
+    way next to an idle loop), on the dev machine. The bound: each call holds the
+    memory-map lock, and a GPU step's launches waited up to 13 / 19 / 120 ms behind
+    calls of 2 / 8 / 64 MiB on eight threads (H200, bench/probes/pin_stretch.py). With
+    the GIL free the pieces stay one huge page."""
     if wall_s - cpu_s > cpu_s:
-        return min(piece * 4, max(limit, piece))
+        return max(piece, min(piece * 4, limit, PREFAULT_MAX_PIECE_BYTES))
     return piece
 
 

@@ -21,6 +21,7 @@ import asyncpin.region as region_module
 from asyncpin import ConfigError, OffloadManager, RegionNotFoundError, _sys
 from asyncpin._mapping import UNMAP_PIECE_BYTES
 from asyncpin.region import (
+    PREFAULT_MAX_PIECE_BYTES,
     PREFAULT_PIECE_BYTES,
     Backing,
     HostRegion,
@@ -372,9 +373,11 @@ class TestTransparentHugePages:
         # Faulting most of the time: the piece stays.
         assert next_prefault_piece(piece, 1e-3, 0.9e-3, 64 * MIB) == piece
         # Blocked more than faulting (the GIL slow to come back): four times larger, up
-        # to the limit.
+        # to the limit and to PREFAULT_MAX_PIECE_BYTES (each call holds the memory-map
+        # lock: a 64 MiB call held a GPU step's launches up to 120 ms on the H200).
         assert next_prefault_piece(piece, 6e-3, 1e-3, 64 * MIB) == 4 * piece
-        assert next_prefault_piece(32 * MIB, 6e-3, 1e-3, 64 * MIB) == 64 * MIB
+        assert next_prefault_piece(4 * piece, 6e-3, 1e-3, 64 * MIB) == PREFAULT_MAX_PIECE_BYTES
+        assert next_prefault_piece(piece, 6e-3, 1e-3, 6 * MIB) == 6 * MIB
         assert next_prefault_piece(piece, 6e-3, 1e-3, MIB) == piece
 
     def test_prefault_keeps_data(self) -> None:
