@@ -54,7 +54,7 @@ from bench._common import StreamSteps
 CHUNK = 64 << 20
 
 
-def in_threads(n: int, items: list[int], work: Callable[[int], None]) -> None:
+def in_threads(n: int, items: list[int], work: Callable[[int], object]) -> None:
     todo: queue.SimpleQueue[int] = queue.SimpleQueue()
     for item in items:
         todo.put(item)
@@ -141,7 +141,7 @@ def main() -> int:
 
         return work
 
-    def library(region: HostRegion) -> Callable[[int], None]:
+    def library(region: HostRegion) -> Callable[[int], object]:
         return lambda o: region.prefault(o, CHUNK)
 
     for name, n, piece in [
