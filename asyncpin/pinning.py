@@ -280,11 +280,12 @@ class PinScheduler:
         if self._stop.is_set():
             return False
         try:
-            if not self.region.prefault(chunk.offset, chunk.nbytes, self._stop):
-                return False  # stopped between two pieces
+            self.region.prefault(chunk.offset, chunk.nbytes, self._stop)
         except BaseException as exc:
             self._fail(chunk, exc, "prefault")
             return False
+        if self._stop.is_set():
+            return False  # it may have stopped between two pieces: not all faulted in
         self.table.mark(chunk.index, ChunkState.PREFAULTED)
         return True
 

@@ -205,9 +205,9 @@ def test_the_pipeline_starts_its_threads_before_it_faults(
 
     prefault = HostRegion.prefault
 
-    def mark(self: HostRegion, offset: int, nbytes: int) -> None:
+    def mark(self: HostRegion, offset: int, nbytes: int, *args: Any) -> bool:
         faulting.set()
-        prefault(self, offset, nbytes)
+        return prefault(self, offset, nbytes, *args)
 
     monkeypatch.setattr(threading.Thread, "start", record_start)
     monkeypatch.setattr(HostRegion, "prefault", mark)

@@ -37,6 +37,7 @@ from asyncpin import (
     PinError,
     _sys,
 )
+from asyncpin.chunks import ChunkState, ChunkTable
 from asyncpin.testing import FakeBackend, is_mapped
 from tests.helpers import TIMEOUT_S, releasing, wait_thread_event
 
@@ -220,7 +221,15 @@ class TestCloseOrder:
                     release.wait(TIMEOUT_S)
             real(address, nbytes, advice)
 
+        marks: list[tuple[int, ChunkState]] = []
+        real_mark = ChunkTable.mark
+
+        def mark(table: ChunkTable, index: int, state: ChunkState) -> None:
+            marks.append((index, state))
+            real_mark(table, index, state)
+
         monkeypatch.setattr(_sys, "libc_madvise", madvise)
+        monkeypatch.setattr(ChunkTable, "mark", mark)
         monkeypatch.setattr(asyncpin.region, "next_prefault_piece", lambda p, w, c, n: p)
         fake = FakeBackend()
         mgr = OffloadManager(8 * piece, backend=fake, chunk_bytes=8 * piece, prefault_threads=1)
@@ -236,6 +245,7 @@ class TestCloseOrder:
                     finally:
                         release.set()
         assert pieces == [piece]
+        assert marks == []  # the chunk, faulted in part, never counted as prefaulted
         assert fake.calls == []
         assert not is_mapped(address, 8 * piece)
         assert mgr.state is ManagerState.CLOSED

@@ -979,9 +979,9 @@ def patched_region(session_ref: list[Session | None], old_kernel: list[bool]) ->
         assert current is not None
         return current
 
-    def prefault(region: HostRegion, offset: int, nbytes: int) -> None:
+    def prefault(region: HostRegion, offset: int, nbytes: int, *args: Any) -> bool:
         session().valve.wait_turn(offset // PAGE)
-        real_prefault(region, offset, nbytes)
+        return real_prefault(region, offset, nbytes, *args)
 
     def madvise(address: int, nbytes: int, advice: int) -> None:
         if advice == _sys.MADV_POPULATE_WRITE and old_kernel[0]:

@@ -9,9 +9,11 @@ then a wait for its stream) and a GIL meter (a thread sleeping 0.5 ms in a loop:
 wake's overshoot is how long it waited for the GIL, or the CPU), runs one after another
 what a first ``OffloadManager.for_kv`` does in the background, each a phase:
 
-- ``preload`` (with ``--preload``): Triton's native libraries loaded through ctypes
-  (``preload_native_libraries``, which the engine now calls before importing Triton),
-  which lets go of the GIL while the dynamic loader works;
+- ``preload`` (with ``--preload``): Triton's native library loaded through
+  ``ctypes.CDLL`` before the import, to see whether the dynamic loader's part of the
+  import is what holds the GIL. It is not let go there either: in run 90 (which also
+  loaded libproton) the preload alone held the meter 26 ms and the import after it
+  still 42 ms (without: 32 ms); the engine does not preload;
 - ``import-triton``: ``import triton, triton.language``;
 - ``import-kernel``: ``asyncpin._kernels`` (the JIT function);
 - ``own-context``: the CUDA backend's first pin call, which makes its context;
@@ -26,8 +28,12 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import ctypes
+import glob
+import importlib.util
 import io
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -43,7 +49,6 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 import asyncpin
 from asyncpin.cuda import CudaBackend
-from asyncpin.engines.cuda.methods import preload_native_libraries
 from asyncpin.region import HostRegion
 from bench._common import StreamSteps
 
@@ -74,6 +79,16 @@ class Meter:
         return max((late for t, late in self.samples if start <= t <= end), default=0.0)
 
 
+def preload_triton() -> list[str]:
+    spec = importlib.util.find_spec("triton")
+    found: list[str] = []
+    for where in (spec.submodule_search_locations or []) if spec is not None else []:
+        for path in sorted(glob.glob(os.path.join(where, "_C", "libtriton*.so"))):
+            ctypes.CDLL(path, mode=sys.getdlopenflags())
+            found.append(path)
+    return found
+
+
 def longest(spans: list[tuple[float, float, float]]) -> float:
     return max((e - s for s, _, e in spans), default=0.0)
 
@@ -98,7 +113,7 @@ def main() -> int:
 
     phase("idle", lambda: time.sleep(0.5))
     if args.preload:
-        phase("preload", preload_native_libraries)
+        phase("preload", preload_triton)
 
     def import_triton() -> str:
         import triton

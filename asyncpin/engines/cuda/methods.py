@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import array
 import contextlib
-import ctypes
 import importlib.util
-import os
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,14 +41,7 @@ from asyncpin.engines.cuda.plan import (
 from asyncpin.gate import outside_captures
 from asyncpin.transfers import TransferJob
 
-__all__ = [
-    "KERNEL_CTAS",
-    "CopyMethods",
-    "kernel_importable",
-    "load_kernel",
-    "on_device",
-    "preload_native_libraries",
-]
+__all__ = ["KERNEL_CTAS", "CopyMethods", "kernel_importable", "load_kernel", "on_device"]
 
 # Copy kernel CTAs: enough to reach the bus's speed, few enough to leave the SMs to the
 # model (BENCH.md: 8 CTAs reach 50 GB/s D2H, H2D needs 32).
@@ -76,39 +66,8 @@ def direct_launch_tested() -> bool:
     return str(triton.__version__).startswith("3.6.")
 
 
-def preload_native_libraries(package: str = "triton") -> list[str]:
-    """Load ``package``'s native libraries (``<package>/_C/*.so``) through ctypes, with
-    the flags an import would use, before the package is imported; returns their paths.
-
-    The dynamic loader's work on Triton's library (hundreds of MB, LLVM linked in) runs
-    inside ``import triton`` with the GIL held throughout, stalling the event loop and a
-    model's launches; ctypes lets go of the GIL while it loads, and the import then finds
-    the library loaded. A library that fails to load here is left to the import, which
-    reports it."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return []
-    loaded = []
-    for where in spec.submodule_search_locations:
-        native = os.path.join(where, "_C")
-        names = sorted(os.listdir(native)) if os.path.isdir(native) else []
-        for name in names:
-            if not name.endswith(".so"):
-                continue
-            path = os.path.join(native, name)
-            try:
-                ctypes.CDLL(path, mode=sys.getdlopenflags())
-            except OSError:
-                continue
-            loaded.append(path)
-    return loaded
-
-
 def load_kernel() -> Any:
-    """The Triton copy kernel, or None where there is no Triton. Triton's native
-    libraries are loaded first with the GIL let go (``preload_native_libraries``)."""
-    if "triton" not in sys.modules:
-        preload_native_libraries()
+    """The Triton copy kernel, or None where there is no Triton."""
     try:
         from asyncpin._kernels import kv_copy
     except ImportError:  # no Triton: the batch method only
