@@ -20,6 +20,7 @@ from asyncpin.region import (
     validate_hugepages,
     validate_nbytes,
 )
+from asyncpin.shm import validate_name
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -153,7 +154,8 @@ class ManagerConfig:
         """Raises ConfigError, naming the argument, for the first one out of range."""
         # In the order the arguments are documented: the first one out of range is named.
         size = 0 if attach else validate_nbytes(nbytes)
-        validate_backing(backing)
+        if validate_backing(backing) == "shared":
+            validate_name(name)  # when it is made, not first when it is entered
         validate_hugepages(hugepages)
         chunk_default = chunk_bytes is None
         if chunk_bytes is None:

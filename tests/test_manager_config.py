@@ -155,6 +155,14 @@ class TestBackingAndHugePages:
         with refused(ConfigError, "unknown backing", repr(backing), "'anonymous' or 'shared'"):
             await open_manager(MIB, backend="host", backing=backing)
 
+    @pytest.mark.parametrize(("name", "why"), [(None, "needs a name"), ("a/b", "must be")])
+    def test_shared_backing_without_a_good_name_is_refused_when_made(
+        self, name: Any, why: str
+    ) -> None:
+        # Refused by the constructor, not first by `async with` (nothing is mapped yet).
+        with refused(ConfigError, why):
+            OffloadManager(MIB, backend=FakeBackend(), backing="shared", name=name)
+
     @pytest.mark.parametrize("backing", ["file", ""])
     def test_region_refuses_unknown_backing(self, backing: Any) -> None:
         with refused(ConfigError, "unknown backing"):
