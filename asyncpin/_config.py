@@ -154,9 +154,13 @@ class ManagerConfig:
         """Raises ConfigError, naming the argument, for the first one out of range."""
         # In the order the arguments are documented: the first one out of range is named.
         size = 0 if attach else validate_nbytes(nbytes)
+        # Refused when the manager is made, not first when it is entered.
         if validate_backing(backing) == "shared":
-            validate_name(name)  # when it is made, not first when it is entered
-        validate_hugepages(hugepages)
+            validate_name(name)
+        elif name is not None:
+            raise ConfigError("name is only meaningful for backing='shared'")
+        if validate_hugepages(hugepages) == "hugetlb" and backing != "anonymous":
+            raise ConfigError("hugepages='hugetlb' is available for backing='anonymous' only")
         chunk_default = chunk_bytes is None
         if chunk_bytes is None:
             chunk_bytes = default_chunk_bytes(size)

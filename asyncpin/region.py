@@ -310,8 +310,8 @@ class HostRegion:
     def prefault(self, offset: int, nbytes: int, stop: threading.Event | None = None) -> bool:
         """Fault in ``[offset, offset+nbytes)`` for writing, with the GIL released, without
         changing a byte, in pieces of :data:`PREFAULT_PIECE_BYTES`. Returns False when
-        ``stop`` was set before the last piece (what is left is not faulted: a close
-        waits for one piece, not a whole chunk), else True.
+        ``stop`` was found set before a piece began (what is left is not faulted: a
+        close waits for one piece, not a whole chunk), else True.
 
         Uses MADV_POPULATE_WRITE (an error, not SIGBUS, if memory runs out). Kernels
         before 5.14 lack it (EINVAL): then this does nothing and the pin call (mlock,

@@ -475,8 +475,9 @@ async def cold_pair(nbytes: int, hb: Heartbeat, steps: StepLog | None, alone: fl
 async def quiet(
     hb: Heartbeat, steps: StepLog | None, alone: float, seconds: float
 ) -> dict[str, Any]:
-    """Two seconds of the heartbeat, the step and the captures with nothing of the tier's
-    running: the longest step and lag the setting itself gives."""
+    """``seconds`` (2, 0.2 with --quick) of the heartbeat, and on a GPU the step and the
+    captures, with nothing of the tier running: the longest step and lag the setting
+    itself gives."""
     start = Clock.now()
     await anyio.sleep(seconds)
     end = Clock.now()

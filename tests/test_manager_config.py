@@ -163,6 +163,14 @@ class TestBackingAndHugePages:
         with refused(ConfigError, why):
             OffloadManager(MIB, backend=FakeBackend(), backing="shared", name=name)
 
+    def test_region_options_that_do_not_fit_are_refused_when_made(self, shm_name: str) -> None:
+        with refused(ConfigError, "only meaningful for backing='shared'"):
+            OffloadManager(MIB, backend=FakeBackend(), name=shm_name)
+        with refused(ConfigError, "hugetlb", "anonymous"):
+            OffloadManager(
+                MIB, backend=FakeBackend(), backing="shared", name=shm_name, hugepages="hugetlb"
+            )
+
     @pytest.mark.parametrize("backing", ["file", ""])
     def test_region_refuses_unknown_backing(self, backing: Any) -> None:
         with refused(ConfigError, "unknown backing"):
