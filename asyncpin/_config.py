@@ -16,11 +16,9 @@ from asyncpin.kv import KVLayout
 from asyncpin.region import (
     Backing,
     HugePages,
-    validate_backing,
-    validate_hugepages,
     validate_nbytes,
+    validate_region_options,
 )
-from asyncpin.shm import validate_name
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -155,12 +153,7 @@ class ManagerConfig:
         # In the order the arguments are documented: the first one out of range is named.
         size = 0 if attach else validate_nbytes(nbytes)
         # Refused when the manager is made, not first when it is entered.
-        if validate_backing(backing) == "shared":
-            validate_name(name)
-        elif name is not None:
-            raise ConfigError("name is only meaningful for backing='shared'")
-        if validate_hugepages(hugepages) == "hugetlb" and backing != "anonymous":
-            raise ConfigError("hugepages='hugetlb' is available for backing='anonymous' only")
+        validate_region_options(backing, name, hugepages)
         chunk_default = chunk_bytes is None
         if chunk_bytes is None:
             chunk_bytes = default_chunk_bytes(size)

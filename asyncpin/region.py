@@ -56,6 +56,7 @@ __all__ = [
     "validate_backing",
     "validate_hugepages",
     "validate_nbytes",
+    "validate_region_options",
 ]
 
 Backing = Literal["anonymous", "shared"]
@@ -175,12 +176,8 @@ class HostRegion:
         released, if it is still this region's.
         """
         nbytes = validate_nbytes(nbytes)
-        hugepages = validate_hugepages(hugepages)
-        if hugepages == "hugetlb" and backing != "anonymous":
-            raise ConfigError("hugepages='hugetlb' is available for backing='anonymous' only")
-        if validate_backing(backing) == "anonymous":
-            if name is not None:
-                raise ConfigError("name is only meaningful for backing='shared'")
+        backing, hugepages = validate_region_options(backing, name, hugepages)
+        if backing == "anonymous":
             if hugepages == "hugetlb":
                 nbytes = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
                 address = map_hugetlb(nbytes)
@@ -196,7 +193,7 @@ class HostRegion:
                 owner=True,
             )
         else:
-            name = validate_name(name)
+            assert name is not None
             shared = create_shared(nbytes, name, layout)
             region = cls._shared(shared, name, hugepages, owner=True)
         region._advise()
@@ -439,6 +436,23 @@ def validate_backing(backing: object) -> Backing:
     if backing not in ("anonymous", "shared"):
         raise ConfigError(f"unknown backing {backing!r}: use 'anonymous' or 'shared'")
     return backing
+
+
+def validate_region_options(
+    backing: object, name: object, hugepages: object
+) -> tuple[Backing, HugePages]:
+    """``(backing, hugepages)`` if they and ``name`` make a region together (a name for a
+    shared region and only there, huge pages from the hugetlb pool for an anonymous one
+    only), else a ConfigError for the first that does not."""
+    backing = validate_backing(backing)
+    if backing == "shared":
+        validate_name(name)
+    elif name is not None:
+        raise ConfigError("name is only meaningful for backing='shared'")
+    hugepages = validate_hugepages(hugepages)
+    if hugepages == "hugetlb" and backing != "anonymous":
+        raise ConfigError("hugepages='hugetlb' is available for backing='anonymous' only")
+    return backing, hugepages
 
 
 def validate_hugepages(hugepages: object) -> HugePages:
