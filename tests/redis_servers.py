@@ -269,7 +269,10 @@ class RedisServer:
                     raise _PortTaken(log)
                 raise RuntimeError(f"redis-server on port {self.port} exited: {log}")
             try:
-                if command(self.port, "PING", timeout=1.0) == "PONG":
+                # Ours only if the answer names our process: another server on this port
+                # answers too, until our process has found the port taken and exited.
+                info = command(self.port, "INFO", "server", timeout=1.0)
+                if _fields(info).get("process_id") == str(self._proc.pid):
                     self._started_once = True
                     return
             except (OSError, RedisReplyError):

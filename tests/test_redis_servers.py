@@ -249,6 +249,27 @@ def test_a_taken_port_is_exchanged_at_first_start(tmp_path: Path) -> None:
     assert not server.alive
 
 
+def test_a_port_another_server_answers_on_is_exchanged_at_first_start(tmp_path: Path) -> None:
+    """The port's holder is another redis-server, which answers PING: the start must not
+    take that answer for its own process's (three nodes of a cluster once shared two ports
+    that way and the cluster never formed)."""
+    if (reason := available()) is not None:
+        pytest.skip(reason)
+    holder = RedisServer(tmp_path / "holder")
+    holder.start()
+    server = RedisServer(tmp_path / "server", port=holder.port)
+    try:
+        server.start()
+        assert server.port != holder.port
+        assert server.alive
+        info = server.command("INFO", "server")
+        assert isinstance(info, bytes) and f"process_id:{server.pid}\r\n".encode() in info
+    finally:
+        server.stop()
+        holder.stop()
+    assert not server.alive and not holder.alive
+
+
 def test_servers_die_with_the_test_process(tmp_path: Path) -> None:
     """A test process killed outright (no teardown) leaves no server behind."""
     if (reason := available()) is not None:
