@@ -489,11 +489,12 @@ class RedisCluster:
             node.flushall()
 
     def reset(self) -> bool:
-        """Reset every node (see :meth:`RedisServer.reset`); wait for the cluster to be ok
-        again if a node was paused or killed."""
+        """Reset every node (see :meth:`RedisServer.reset`), then wait for the cluster to be
+        ok: also when nothing was left to undo, since a node a test paused and resumed
+        itself may still be marked failed by the others. Returns whether anything was
+        undone."""
         changed = [node.reset() for node in self.nodes]
-        if any(changed):
-            self.wait_ok()
+        self.wait_ok()
         return any(changed)
 
     def stop(self) -> None:

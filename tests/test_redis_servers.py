@@ -179,6 +179,36 @@ async def test_reset_undoes_the_faults(
     assert redis_server.command("PING") == "PONG"
 
 
+def test_reset_waits_for_a_cluster_a_test_resumed_itself(
+    redis_cluster: RedisCluster, redis_servers_started: RedisServers, redis_keyspace: str
+) -> None:
+    """A test that paused a node and resumed it in its own ``finally`` leaves nothing for
+    reset to undo, yet the cluster may still be down: the clean-up after it must wait for
+    the cluster, not fail on CLUSTERDOWN."""
+    victim, witness = redis_cluster.nodes[0], redis_cluster.nodes[1]
+    victim.pause()
+    try:
+        deadline = time.monotonic() + 30
+        while b"cluster_state:fail" not in _bytes(witness.command("CLUSTER", "INFO")):
+            assert time.monotonic() < deadline, "the cluster never saw the node fail"
+            time.sleep(0.05)  # until the node timeout has passed on the witness
+    finally:
+        victim.resume()
+    redis_servers_started.clean_keyspace(redis_keyspace)  # resets first: waits for ok
+    key = next(
+        key
+        for key in (f"{redis_keyspace}{i}" for i in range(1000))
+        if redis_cluster.node_for_slot(redis_cluster.keyslot(key)) is victim
+    )
+    assert victim.command("SET", key, b"v") == "OK"  # no CLUSTERDOWN
+    assert b"cluster_state:ok" in _bytes(witness.command("CLUSTER", "INFO"))
+
+
+def _bytes(reply: object) -> bytes:
+    assert isinstance(reply, bytes)
+    return reply
+
+
 async def test_clean_keyspace_deletes_the_prefix_only(
     redis_server: RedisServer,
     redis_cluster: RedisCluster,
