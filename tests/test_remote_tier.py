@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import structlog
 import torch
@@ -656,3 +657,68 @@ async def test_a_failed_restore_keeps_no_payload_alive(
                 gc.garbage.clear()
                 gc.enable()
             await nothing_held(tier)
+
+
+class _Stuck:
+    """A pipeline whose ``execute`` does what the test says instead of asking the server."""
+
+    def __init__(self, execute: Any) -> None:
+        self.execute = execute
+
+    def get(self, key: str) -> None:
+        pass
+
+
+async def test_a_cancellation_the_client_lets_out_is_a_failed_call(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """The client ends a call with a cancellation that nobody asked for (asyncio's timeouts
+    inside it racing ours can): a RemoteError for the caller, whose task goes on. Before,
+    the cancellation reached the caller, and a task group holding it cancelled its body
+    with no error (the rare remote-faults failure: "the drive was cancelled")."""
+    import asyncio
+
+    store = RedisStore(redis_server.url, timeout_s=1.0)
+
+    async def leaks(**_: Any) -> list[Any]:
+        raise asyncio.CancelledError
+
+    store._client.pipeline = lambda **_: _Stuck(leaks)
+    with pytest.raises(
+        RemoteError, match=r"GET on redis://127\.0\.0\.1:\d+ failed: the client cancelled the call"
+    ):
+        await store.get([f"{redis_keyspace}k"])
+    await anyio.lowlevel.checkpoint()  # and no cancellation is pending for this task
+    await store.aclose()
+
+
+async def test_the_callers_cancellation_still_cancels_a_call(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """Running the client's call in a task of its own keeps the caller's cancellation,
+    by a scope or by ``Task.cancel``, a cancellation."""
+    import asyncio
+
+    store = RedisStore(redis_server.url, timeout_s=60.0)
+    started = anyio.Event()
+
+    async def forever(**_: Any) -> list[Any]:
+        started.set()
+        await anyio.sleep_forever()
+        raise AssertionError("not reached")
+
+    store._client.pipeline = lambda **_: _Stuck(forever)
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store.get, [f"{redis_keyspace}k"])
+            await started.wait()
+            scope.cancel()
+    assert scope.cancelled_caught
+
+    started = anyio.Event()
+    task = asyncio.ensure_future(store.get([f"{redis_keyspace}k"]))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await store.aclose()

@@ -147,21 +147,39 @@ class RedisStore:
 
     async def _run(self, what: str, build: Callable[[Any], None]) -> list[Any]:
         """One pipeline, bounded by the timeout; any failure of the server is a
-        RemoteError naming the server, never its credentials."""
-        try:
-            with anyio.fail_after(self._timeout_s * 4):  # connect, then read, per node
-                pipe = self._client.pipeline(transaction=False)
-                build(pipe)
-                result: list[Any] = await pipe.execute(raise_on_error=True)
-                return result
-        except Exception as exc:
-            # The server's errors, and whatever else the client raises for them (redis-py
-            # 8.1's cluster pipeline raised AttributeError on a connection torn down by a
-            # node's restart): a failed operation, never the caller's crash.
+        RemoteError naming the server, never its credentials.
+
+        The client's call runs in a task of its own: a cancellation that the client lets
+        out although nobody cancelled the caller (asyncio's timeouts inside the client
+        racing ours) ends that task, and is a failed operation here, not a cancellation
+        of the caller. A cancellation of the caller goes on as itself."""
+        outcome: list[Any] = []
+
+        async def call() -> None:
+            try:
+                with anyio.fail_after(self._timeout_s * 4):  # connect, then read, per node
+                    pipe = self._client.pipeline(transaction=False)
+                    build(pipe)
+                    outcome.append(await pipe.execute(raise_on_error=True))
+            except Exception as exc:
+                # The server's errors, and whatever else the client raises for them
+                # (redis-py 8.1's cluster pipeline raised AttributeError on a connection
+                # torn down by a node's restart): a failed operation, never the caller's
+                # crash.
+                outcome.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call)
+        if not outcome:  # the task ended by a cancellation of the client's own
+            raise RemoteError(f"{what} on {self._where} failed: the client cancelled the call")
+        if isinstance(outcome[0], Exception):
+            exc = outcome.pop()
             raise RemoteError(
                 f"{what} on {self._where} failed: {type(exc).__name__}"
                 + (f" ({_redact(str(exc))})" if str(exc) else "")
             ) from None
+        result: list[Any] = outcome[0]
+        return result
 
     async def get(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
@@ -195,8 +213,12 @@ class RedisStore:
         return [bool(n) for n in await self._run("EXISTS", build)]
 
     async def aclose(self) -> None:
-        with contextlib.suppress(Exception):  # closing what is already broken
-            await self._client.aclose()
+        async def close() -> None:
+            with contextlib.suppress(Exception):  # closing what is already broken
+                await self._client.aclose()
+
+        async with anyio.create_task_group() as tg:  # as in _run: a stray cancellation
+            tg.start_soon(close)  # of the client's own ends this task, not the caller
 
 
 def _where(url: str) -> str:
