@@ -154,6 +154,13 @@ class OffloadManager:
         ``kv_layout=`` and ``num_host_blocks=``, entering raises ConfigError (and releases
         the mapping) if the region is smaller than ``num_host_blocks`` host blocks.
         """
+        for fixed in ("nbytes", "backing", "_attach"):
+            if fixed in kwargs and not (fixed == "backing" and kwargs[fixed] == "shared"):
+                raise ConfigError(
+                    f"attached() takes no {fixed}=: the region is the shared one named "
+                    f"{name!r}, whose size its creator chose"
+                )
+        kwargs.pop("backing", None)
         return cls(0, backing="shared", name=name, _attach=True, **kwargs)
 
     # -- lifecycle --------------------------------------------------------------------

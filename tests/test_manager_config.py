@@ -221,6 +221,25 @@ class TestPreflightEdges:
                     pass
 
 
+class TestAttached:
+    """``attached(name, ...)`` fixes the backing, the name and the size: a caller's own
+    choice of them is a ConfigError (it was Python's TypeError for a repeated keyword)."""
+
+    @pytest.mark.parametrize(
+        ("option", "value"), [("backing", "anonymous"), ("backing", "file"), ("nbytes", MIB)]
+    )
+    def test_a_fixed_option_is_refused(self, shm_name: str, option: str, value: Any) -> None:
+        with refused(ConfigError, "attached() takes no", option, shm_name):
+            OffloadManager.attached(shm_name, **{option: value})
+
+    async def test_backing_shared_is_what_it_is_anyway(self, shm_name: str) -> None:
+        async with (
+            OffloadManager(MIB, backend=FakeBackend(), backing="shared", name=shm_name),
+            OffloadManager.attached(shm_name, backing="shared", backend=FakeBackend()) as other,
+        ):
+            assert other.nbytes == MIB
+
+
 class TestTheLeakCheck:
     """``refused`` counts what asyncpin maps and unmaps (it compared every anonymous
     mapping of the process, which the interpreter's own arenas change: a CI flake)."""
