@@ -116,6 +116,7 @@ async def measure(
     timeout_s: float,
     server_pids: Sequence[int],
     backend: str,
+    direct_reads: bool = True,
 ) -> dict[str, Any]:
     import redis.asyncio
     import redis.asyncio.cluster
@@ -149,7 +150,7 @@ async def measure(
             await manager.__aenter__()
         try:
             await manager.pinned
-            store = RedisStore(url, cluster=cluster, timeout_s=timeout_s)
+            store = RedisStore(url, cluster=cluster, timeout_s=timeout_s, direct_reads=direct_reads)
             async with (
                 KVTier(
                     manager,
@@ -379,6 +380,11 @@ def main() -> int:
     )
     p.add_argument("--backend", choices=("auto", "host", "fake"), default="auto")
     p.add_argument("--kind", action="append", choices=("node", "cluster"), help="own servers")
+    p.add_argument(
+        "--copied-reads",
+        action="store_true",
+        help="RedisStore(direct_reads=False): fetch through the client's values, copied in",
+    )
     args = p.parse_args()
     quiet_logs()
     try:
@@ -399,6 +405,7 @@ def main() -> int:
                     timeout_s=args.timeout_s,
                     server_pids=pids,
                     backend=args.backend,
+                    direct_reads=not args.copied_reads,
                 ),
                 backend="asyncio",  # redis-py's client is asyncio's
             )
@@ -416,6 +423,7 @@ def main() -> int:
             print(f"{kind}:", file=sys.stderr)
             results[kind] = with_servers(kind, run(kind == "cluster"))
     doc = {
+        "direct_reads": not args.copied_reads,
         "blocks": blocks,
         "host_block_bytes": 64 * TOKENS * HEADS * HEAD_DIM * 2,
         "repeats": repeats,

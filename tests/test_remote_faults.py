@@ -641,7 +641,9 @@ class _BrokenPipeline:
 
 
 def broken_store(url: str, monkeypatch: pytest.MonkeyPatch) -> RedisStore:
-    store = RedisStore(url, timeout_s=TIMEOUT_S)
+    """The asyncio client broken (fetches through it: the direct reads' own case is in
+    tests/test_remote_direct.py)."""
+    store = RedisStore(url, timeout_s=TIMEOUT_S, direct_reads=False)
     monkeypatch.setattr(store._client, "pipeline", lambda **_: _BrokenPipeline())
     return store
 

@@ -54,10 +54,12 @@ async def remote_tier(
     timeout_s: float = 2.0,
     store: RedisStore | None = None,
     host_blocks: int = HOST_BLOCKS,
+    direct_reads: bool = True,
     **kwargs: Any,
 ) -> AsyncIterator[tuple[KVTier, KVLayout]]:
     layout = layout if layout is not None else make_layout()
-    store = store if store is not None else RedisStore(url, cluster=cluster, timeout_s=timeout_s)
+    if store is None:
+        store = RedisStore(url, cluster=cluster, timeout_s=timeout_s, direct_reads=direct_reads)
     async with OffloadManager.for_kv(layout, host_blocks, backend=FakeBackend()) as mgr:
         await mgr.pinned
         async with KVTier(
@@ -88,13 +90,22 @@ def same(layout: KVLayout, ids: list[int], kept: list[torch.Tensor]) -> bool:
     return all(torch.equal(raw[ids], k) for raw, k in zip(layout.byte_arrays(), kept, strict=True))
 
 
+@pytest.mark.parametrize("reads", ["direct", "copied"])
 @pytest.mark.parametrize("kind", ["node", "cluster"])
 async def test_a_forgotten_prefix_comes_back_from_the_server(
-    kind: str, redis_server: RedisServer, redis_cluster: RedisCluster, redis_keyspace: str
+    kind: str,
+    reads: str,
+    redis_server: RedisServer,
+    redis_cluster: RedisCluster,
+    redis_keyspace: str,
 ) -> None:
+    """Both ways of fetching: read straight into host blocks (``readinto``, the
+    default) and through the client's values, copied in."""
     url = redis_server.url if kind == "node" else redis_cluster.url
     with anyio.fail_after(TIMEOUT_S):
-        async with remote_tier(url, redis_keyspace, cluster=kind == "cluster") as (tier, layout):
+        async with remote_tier(
+            url, redis_keyspace, cluster=kind == "cluster", direct_reads=reads == "direct"
+        ) as (tier, layout):
             hashes = list(range(1000, 1012))
             kept = await stored_and_forgotten(tier, layout, hashes)
             assert await tier.lookup_remote([*hashes, 9999]) == 12
@@ -323,8 +334,9 @@ async def test_a_tier_with_a_remote_store_is_entered_once(
             await tier.__aenter__()
 
 
+@pytest.mark.parametrize("direct_reads", [True, False])
 async def test_a_long_restore_reads_in_bounded_pipelines(
-    redis_server: RedisServer, redis_keyspace: str
+    direct_reads: bool, redis_server: RedisServer, redis_keyspace: str
 ) -> None:
     """Each pipeline holds a batch of blocks (16), so each is bounded by the timeout,
     however long the prefix (one pipeline of 256 blocks of 2 MiB outlived a 1 s read
@@ -336,11 +348,15 @@ async def test_a_long_restore_reads_in_bounded_pipelines(
             sizes.append(len(keys))
             return await super().get(keys)
 
+        def readinto(self, keys: Any, sinks: Any, **kwargs: Any) -> list[int | None]:
+            sizes.append(len(keys))
+            return super().readinto(keys, sinks, **kwargs)
+
     layout = make_layout()
     with anyio.fail_after(TIMEOUT_S):
         async with OffloadManager.for_kv(layout, BLOCKS, backend=FakeBackend()) as mgr:
             await mgr.pinned
-            store = Recording(redis_server.url, timeout_s=2.0)
+            store = Recording(redis_server.url, timeout_s=2.0, direct_reads=direct_reads)
             async with KVTier(mgr, remote=store, namespace=redis_keyspace.rstrip(":")) as tier:
                 hashes = list(range(500, 530))
                 kept = await stored_and_forgotten(tier, layout, hashes)
@@ -404,6 +420,9 @@ async def test_a_restore_keeps_its_own_host_prefix(
                 await tier.remote_written()
                 tier.clear()
                 await tier.store([1, 2, 3, 4], [1, 2, 3, 4]).transfer  # the host is full
+                # The writer holds each block while it copies it out: wait for it, so that
+                # one of 2, 3 and 4 can make room for 9.
+                await tier.remote_written()
                 assert await tier.lookup_remote([1, 9]) == 2
                 assert await tier.restore([1, 9], [20, 21]) == 2
 
@@ -456,7 +475,7 @@ async def test_the_next_part_is_read_while_a_part_goes_into_host_blocks(
                 second_read.set()
             return await super().get(keys)
 
-    store = Recording(redis_server.url, timeout_s=2.0)
+    store = Recording(redis_server.url, timeout_s=2.0, direct_reads=False)
     with anyio.fail_after(TIMEOUT_S):
         async with remote_tier(
             redis_server.url, redis_keyspace, store=store, host_blocks=BLOCKS
@@ -528,7 +547,9 @@ async def test_a_failed_copy_into_host_blocks_is_raised_as_itself(
     """The copy of the second part fails: restore raises that error (not a task group's
     exception group), and the first part, copied in and held, is let go."""
     with anyio.fail_after(TIMEOUT_S):
-        async with remote_tier(redis_server.url, redis_keyspace, host_blocks=BLOCKS) as (
+        async with remote_tier(
+            redis_server.url, redis_keyspace, host_blocks=BLOCKS, direct_reads=False
+        ) as (
             tier,
             layout,
         ):
@@ -592,7 +613,11 @@ async def test_a_broken_run_stops_the_fetch_and_evicts_nothing_for_it(
     dev = 64
     with anyio.fail_after(TIMEOUT_S):
         async with remote_tier(
-            redis_server.url, redis_keyspace, layout=host_of(dev), host_blocks=dev
+            redis_server.url,
+            redis_keyspace,
+            layout=host_of(dev),
+            host_blocks=dev,
+            direct_reads=False,
         ) as (tier, layout):
             hashes = list(range(400, 448))
             await stored_and_forgotten(tier, layout, hashes)
@@ -627,7 +652,11 @@ async def test_a_failed_restore_keeps_no_payload_alive(
     dev = 64
     with anyio.fail_after(TIMEOUT_S):
         async with remote_tier(
-            redis_server.url, redis_keyspace, layout=host_of(dev), host_blocks=dev
+            redis_server.url,
+            redis_keyspace,
+            layout=host_of(dev),
+            host_blocks=dev,
+            direct_reads=False,
         ) as (tier, layout):
             hashes = list(range(600, 648))
             await stored_and_forgotten(tier, layout, hashes)

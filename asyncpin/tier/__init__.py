@@ -223,6 +223,45 @@ class LayerStore:
             await self.wait()
 
 
+class _FetchSink:
+    """Where a restore's direct fetch reads (a ``HostSink``): each part's host blocks
+    reserved in the index, then the valid ones made loadable and kept from eviction
+    (in ``held``, until the restore's load is over) and the rest freed."""
+
+    def __init__(
+        self,
+        tier: KVTier,
+        remote: RemoteLink,
+        held: list[tuple[list[BlockHash], list[int]]],
+        removed: int,
+    ) -> None:
+        self._index = tier.index
+        self._rows = tier.manager.host_bytes()
+        self._remote = remote
+        self._held = held
+        self._removed = removed  # the index's removals when the run was found
+        self._plan: StorePlan | None = None
+
+    def reserve(self, part: Sequence[BlockHash]) -> list[memoryview | None]:
+        self._plan = plan = self._index.begin_store(list(part))
+        blocks = dict(zip(plan.hashes, plan.host_blocks, strict=True))
+        return [self._rows[blocks[h]].numpy().data if h in blocks else None for h in part]
+
+    def commit(self, part: Sequence[BlockHash], valid: int) -> bool:
+        plan, self._plan = self._plan, None
+        assert plan is not None, "commit without reserve"
+        good = set(part[:valid])
+        self._index.end_store(plan, ok=good)  # not written back: it came from there
+        self._remote.fetched(sum(1 for h in plan.hashes if h in good))
+        ready: list[BlockHash] = []
+        for h in part[:valid]:
+            if h not in self._index:  # no room for it: the run ends before it
+                break
+            ready.append(h)
+        self._held.append((ready, self._index.begin_load(ready, touch=False)))
+        return len(ready) == len(part) and self._index.stats().removed_blocks == self._removed
+
+
 class KVTier:
     """Block hashes → the host blocks of ``manager`` (open, with a KV layout).
 
@@ -587,8 +626,11 @@ class KVTier:
                     and keys[end] not in self.index
                 ):
                     end += 1
-                # Each part goes into host blocks while the next is read.
-                await remote.fetch_into(keys[n:end], into)
+                if remote.direct:  # read straight into host blocks
+                    sink = _FetchSink(self, remote, held, removed)
+                    await remote.fetch_direct(keys[n:end], sink)
+                else:  # each part goes into host blocks while the next is read
+                    await remote.fetch_into(keys[n:end], into)
                 n = self.index.lookup(keys)
                 transfer = self.load(keys[:n], gpu[:n], method=method) if n else None
             finally:

@@ -21,7 +21,7 @@ copy still uses). The life of a block:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias, cast
 
@@ -246,9 +246,10 @@ class BlockIndex:
         self._flush()
         return plan
 
-    def end_store(self, plan: StorePlan, *, ok: bool) -> None:
+    def end_store(self, plan: StorePlan, *, ok: bool | Collection[BlockHash]) -> None:
         """The plan's copy is over: its blocks become loadable (``ok``), or are freed.
-        Once per plan (RuntimeError, nothing changed, for a plan already ended)."""
+        ``ok`` may name the hashes whose copy succeeded (the others are freed). Once per
+        plan (RuntimeError, nothing changed, for a plan already ended)."""
         if id(plan) not in self._open_plans:
             raise RuntimeError("end_store of a plan that is not under way (ended already?)")
         self._open_plans.discard(id(plan))
@@ -258,7 +259,7 @@ class BlockIndex:
                 # Removed while its copy ran: the block drained with the copy.
                 self._release_user(block)
                 continue
-            if ok:
+            if ok is True or (not isinstance(ok, bool) and h in ok):
                 entry.ready = True
                 self._resident += 1
                 self._policy.insert(h)

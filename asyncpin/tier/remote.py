@@ -31,10 +31,12 @@ import contextlib
 import hashlib
 import json
 import struct
+import threading
+import time
 import zlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import anyio
 import anyio.to_thread
@@ -49,6 +51,7 @@ __all__ = [
     "RemoteLink",
     "RemoteStats",
     "RemoteStore",
+    "check_read",
     "decode",
     "encode_header",
     "fingerprint",
@@ -110,6 +113,7 @@ class RedisStore:
         cluster: bool = False,
         timeout_s: float = 1.0,
         ttl_s: float | None = None,
+        direct_reads: bool = True,
         **client_options: Any,
     ) -> None:
         try:
@@ -141,6 +145,15 @@ class RedisStore:
         except (ValueError, TypeError):
             raise ConfigError(f"not a usable Redis URL or option for {self._where}") from None
         self.cluster = cluster
+        if not isinstance(direct_reads, bool):
+            raise ConfigError(f"direct_reads must be a bool, got {direct_reads!r}")
+        #: Whether ``readinto`` is used for fetches (see :meth:`readinto`).
+        self.direct_reads = direct_reads
+        # readinto's blocking client (made on first use, in a worker thread).
+        self._blocking_args = (url, options)
+        self._blocking: Any = None
+        self._blocking_lock = threading.Lock()
+        self._refresh = False  # a node answered MOVED/ASK: refresh the cluster's slots
 
     def __repr__(self) -> str:
         return f"<RedisStore {self._where}{' cluster' if self.cluster else ''}>"
@@ -212,7 +225,98 @@ class RedisStore:
 
         return [bool(n) for n in await self._run("EXISTS", build)]
 
+    def readinto(
+        self,
+        keys: Sequence[str],
+        sinks: Sequence[Sequence[memoryview]],
+        *,
+        check_cancelled: Callable[[], None] = lambda: None,
+    ) -> list[int | None]:
+        """Blocking: run it in a worker thread. Each key's value read from the socket
+        straight into its sinks (memoryviews, filled in order; what does not fit is read
+        and dropped): no copy on the way. Returns each value's length, None for a missing
+        key. One pipeline per node, bounded by ``timeout_s`` for every read and by 4 times
+        it in all; ``check_cancelled`` is called between reads (it raises to stop). Any
+        failure is a RemoteError; a connection left mid-reply is closed, never reused.
+
+        The sockets are redis-py's own (its connection pool: AUTH, TLS and the rest as
+        configured); only the replies of these GETs are read past its parser."""
+        if len(keys) != len(sinks):
+            raise ValueError(f"{len(keys)} keys and {len(sinks)} sinks")
+        lengths: list[int | None] = [None] * len(keys)
+        if not keys:
+            return lengths
+        deadline = time.monotonic() + self._timeout_s * 4
+        try:
+            for node_client, positions in self._by_node(keys):
+                pool = node_client.connection_pool
+                conn = pool.get_connection()
+                try:
+                    conn.send_packed_command(
+                        conn.pack_commands([("GET", keys[i]) for i in positions])
+                    )
+                    sock = conn._sock
+                    sock.settimeout(_Wire.POLL_S)
+                    wire = _Wire(sock, deadline, check_cancelled, self._timeout_s)
+                    errors = []
+                    for i in positions:
+                        got = wire.value_into(sinks[i])
+                        if isinstance(got, bytes):
+                            errors.append(got)
+                        else:
+                            lengths[i] = got
+                    sock.settimeout(conn.socket_timeout)  # redis-py's, for its next reads
+                except BaseException:
+                    conn.disconnect()  # mid-reply: its next reader would read our bytes
+                    raise
+                finally:
+                    pool.release(conn)
+                if errors:
+                    if any(e.startswith((b"MOVED ", b"ASK ")) for e in errors):
+                        self._refresh = True
+                    said = errors[0].decode(errors="replace")
+                    raise RemoteError(f"GET on {self._where} failed: {_redact(said)}")
+        except RemoteError:
+            raise
+        except Exception as exc:
+            raise RemoteError(
+                f"GET on {self._where} failed: {type(exc).__name__}"
+                + (f" ({_redact(str(exc))})" if str(exc) else "")
+            ) from None
+        return lengths
+
+    def _by_node(self, keys: Sequence[str]) -> list[tuple[Any, list[int]]]:
+        """The blocking client of each node that holds some of ``keys``, with the
+        positions of its keys (one node: the client itself)."""
+        with self._blocking_lock:
+            if self._blocking is None:
+                import redis
+                import redis.cluster
+
+                url, options = self._blocking_args
+                if self.cluster:
+                    self._blocking = redis.cluster.RedisCluster.from_url(url, **options)
+                else:
+                    self._blocking = redis.Redis.from_url(url, **options)
+            client = self._blocking
+            if self.cluster and self._refresh:
+                self._refresh = False
+                client.nodes_manager.initialize()
+        if not self.cluster:
+            return [(client, list(range(len(keys))))]
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        for i, key in enumerate(keys):
+            node = client.get_node_from_key(key)
+            group = groups.setdefault(node.name, (client.get_redis_connection(node), []))
+            group[1].append(i)
+        return list(groups.values())
+
     async def aclose(self) -> None:
+        blocking, self._blocking = self._blocking, None
+        if blocking is not None:
+            with contextlib.suppress(Exception):
+                await anyio.to_thread.run_sync(blocking.close)
+
         async def close() -> None:
             with contextlib.suppress(Exception):  # closing what is already broken
                 await self._client.aclose()
@@ -243,6 +347,96 @@ def _redact(message: str) -> str:
     return re.sub(r"//[^@/\s]*@", "//***@", message)[:200]
 
 
+class _Wire:
+    """The replies of a pipeline of GETs, read off a socket: the short lines through a
+    small buffer, each value's bytes straight into the caller's memory (``recv_into``).
+
+    The socket waits at most ``POLL_S`` a read (``readinto`` sets it), so that between
+    reads the deadline, the quiet limit (no byte for ``quiet_s``) and ``check_cancelled``
+    are looked at: a cancelled caller waits at most that long for a stalled server."""
+
+    _LINE_READ = 4096  # what a line's read may take of the value after it (copied)
+    POLL_S = 0.05
+
+    def __init__(
+        self,
+        sock: Any,
+        deadline: float,
+        check_cancelled: Callable[[], None],
+        quiet_s: float = float("inf"),
+    ) -> None:
+        self._sock = sock
+        self._deadline = deadline
+        self._check = check_cancelled
+        self._quiet_s = quiet_s
+        self._buf = b""
+
+    def _recv(self, into: memoryview | None) -> int | bytes:
+        since = time.monotonic()
+        while True:
+            self._check()
+            now = time.monotonic()
+            if now > self._deadline:
+                raise TimeoutError("the call outlived 4 times the timeout")
+            if now - since > self._quiet_s:
+                raise TimeoutError(f"no byte from the server for {self._quiet_s} s")
+            try:
+                got: int | bytes = (
+                    self._sock.recv_into(into)
+                    if into is not None
+                    else self._sock.recv(self._LINE_READ)
+                )
+            except TimeoutError:  # the poll's wait: look again
+                continue
+            if not got:
+                raise ConnectionError("the server closed the connection")
+            return got
+
+    def _line(self) -> bytes:
+        while (end := self._buf.find(b"\r\n")) < 0:
+            more = self._recv(None)
+            assert isinstance(more, bytes)
+            self._buf += more
+        line, self._buf = self._buf[:end], self._buf[end + 2 :]
+        return line
+
+    def _fill(self, view: memoryview) -> None:
+        take = min(len(view), len(self._buf))
+        if take:
+            view[:take] = self._buf[:take]
+            self._buf = self._buf[take:]
+        while take < len(view):
+            got = self._recv(view[take:])
+            assert isinstance(got, int)
+            take += got
+
+    def value_into(self, sinks: Sequence[memoryview]) -> int | bytes | None:
+        """The next reply: a value's length (its bytes in ``sinks``), None (no such key),
+        or an error reply's text (bytes)."""
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"-":
+            return rest
+        if kind == b"_" or line == b"$-1":
+            return None
+        if kind != b"$" or not rest.isdigit():
+            raise ConnectionError(f"not a reply to GET: {line[:40]!r}")
+        length = left = int(rest)
+        for sink in sinks:
+            part = sink[: min(len(sink), left)]
+            self._fill(part)
+            left -= len(part)
+        drop = memoryview(bytearray(min(left, 1 << 16)))
+        while left:
+            self._fill(drop[: min(left, len(drop))])
+            left -= min(left, len(drop))
+        end = bytearray(2)
+        self._fill(memoryview(end))
+        if end != b"\r\n":
+            raise ConnectionError("a value without its CRLF")
+        return length
+
+
 # -- the value format --------------------------------------------------------------------
 
 
@@ -264,28 +458,59 @@ def encode_header(payload: bytes | memoryview, print_: bytes, digest: bytes) -> 
     return _HEADER.pack(MAGIC, VERSION, len(payload), zlib.crc32(payload), print_, digest)
 
 
+def _header_fault(
+    size: int, head: bytes | memoryview, *, nbytes: int, print_: bytes, digest: bytes
+) -> tuple[str | None, int]:
+    """Why a value of ``size`` bytes that starts with ``head`` is not data (None: its
+    header is right), and the header's CRC-32 of the payload."""
+    if size < HEADER_BYTES:
+        return "truncated", 0
+    magic, version, length, crc, their_print, their_digest = _HEADER.unpack_from(head)
+    if magic != MAGIC:
+        return "magic", crc
+    if version != VERSION:
+        return "version", crc
+    if length != nbytes:
+        return "length", crc
+    if size != HEADER_BYTES + length:
+        return "truncated", crc
+    if their_print != print_:
+        return "foreign", crc
+    if their_digest != digest:
+        return "stale", crc
+    return None, crc
+
+
 def decode(value: bytes, *, nbytes: int, print_: bytes, digest: bytes) -> memoryview | str:
     """The payload of ``value``, or why it is not data (a short reason: ``truncated``,
     ``magic``, ``version``, ``length``, ``foreign``, ``stale``, ``checksum``)."""
-    if len(value) < HEADER_BYTES:
-        return "truncated"
-    magic, version, length, crc, their_print, their_digest = _HEADER.unpack_from(value)
-    if magic != MAGIC:
-        return "magic"
-    if version != VERSION:
-        return "version"
-    if length != nbytes:
-        return "length"
-    if len(value) != HEADER_BYTES + length:
-        return "truncated"
-    if their_print != print_:
-        return "foreign"
-    if their_digest != digest:
-        return "stale"
+    fault, crc = _header_fault(len(value), value, nbytes=nbytes, print_=print_, digest=digest)
+    if fault is not None:
+        return fault
     payload = memoryview(value)[HEADER_BYTES:]
     if zlib.crc32(payload) != crc:
         return "checksum"
     return payload
+
+
+def check_read(
+    size: int | None,
+    head: bytes | memoryview,
+    payload: memoryview,
+    *,
+    nbytes: int,
+    print_: bytes,
+    digest: bytes,
+) -> str | None:
+    """``decode`` for a value read in two places (``RedisStore.readinto``): its header in
+    ``head``, its payload in ``payload``; ``size`` is the value's length. None when it is
+    data; else why not (as ``decode``; ``missing`` for no value)."""
+    if size is None:
+        return "missing"
+    fault, crc = _header_fault(size, head, nbytes=nbytes, print_=print_, digest=digest)
+    if fault is None and zlib.crc32(payload) != crc:
+        fault = "checksum"
+    return fault
 
 
 # -- the link between a tier and its remote store ------------------------------------------
@@ -331,6 +556,22 @@ class _Part:
 
     def clear(self) -> None:
         self.hashes, self.payloads = (), []
+
+
+class HostSink(Protocol):
+    """Where ``RemoteLink.fetch_direct`` reads a part: host blocks reserved for it,
+    then made loadable (or freed)."""
+
+    def reserve(self, part: Sequence[int | bytes]) -> list[memoryview | None]:
+        """A host block's memory for each hash (None: the hash needs none, or there is
+        no room: its value is read, checked and dropped)."""
+        ...
+
+    def commit(self, part: Sequence[int | bytes], valid: int) -> bool:
+        """The leading ``valid`` values are checked data in their blocks: make them
+        loadable, free the rest. Returns whether to read on. Called once per
+        ``reserve``, whatever happened between."""
+        ...
 
 
 class RemoteLink:
@@ -668,6 +909,82 @@ class RemoteLink:
             self._invalid[reason] = self._invalid.get(reason, 0) + 1
             _log.warning("tier.remote_invalid_value", reason=reason, store=repr(self.store))
         return [p for p in checked if isinstance(p, memoryview)]
+
+    @property
+    def direct(self) -> bool:
+        """Whether fetches read straight into host blocks (``fetch_direct``): the store
+        has ``readinto`` and it is on."""
+        return callable(getattr(self.store, "readinto", None)) and bool(
+            getattr(self.store, "direct_reads", False)
+        )
+
+    async def fetch_direct(self, hashes: Sequence[int | bytes], sink: HostSink) -> int:
+        """``fetch_into`` for a store that reads into memory (``readinto``): each part of
+        ``batch`` blocks is read in a worker thread straight into the host blocks that
+        ``sink.reserve`` gives (no copy on the way), checked there, and ``sink.commit``
+        makes the valid leading ones loadable. A miss, an invalid value, a failing server
+        or a commit that says stop ends the run. Returns the blocks committed valid. A
+        cancellation waits for the part's read (it writes into the reserved blocks),
+        which stops at its next socket read."""
+        asked = found = 0
+        try:
+            for lo in range(0, len(hashes), self.batch):
+                part = hashes[lo : lo + self.batch]
+                asked += len(part)
+                views = sink.reserve(part)
+                valid = 0
+                try:
+                    valid = await self._read_part(part, views)
+                finally:
+                    go_on = sink.commit(part, valid)
+                found += valid
+                if valid < len(part) or not go_on:
+                    break
+        finally:  # a cancelled fetch counts what it asked for and found
+            self._counts["lookups"] += asked
+            self._counts["hit_blocks"] += found
+            self._counts["missed_blocks"] += asked - found
+        return found
+
+    async def _read_part(self, part: Sequence[int | bytes], views: list[memoryview | None]) -> int:
+        """How many leading values of ``part`` were read into ``views`` and are data."""
+        read_into: Callable[..., list[int | None]] = cast(Any, self.store).readinto
+        keys = [self.key_of(h) for h in part]
+        heads = [memoryview(bytearray(HEADER_BYTES)) for _ in part]
+
+        def read() -> tuple[int, str | None]:
+            import anyio.from_thread
+
+            # A block with no host block is read (a part is one pipeline) into a spare.
+            bodies = [v if v is not None else memoryview(bytearray(self.nbytes)) for v in views]
+            sizes = read_into(
+                keys,
+                list(zip(heads, bodies, strict=True)),
+                check_cancelled=anyio.from_thread.check_cancelled,
+            )
+            for i, h in enumerate(part):
+                fault = check_read(
+                    sizes[i],
+                    heads[i],
+                    bodies[i],
+                    nbytes=self.nbytes,
+                    print_=self.print_,
+                    digest=hash_digest(h),
+                )
+                if fault is not None:
+                    return i, fault
+            return len(part), None
+
+        try:
+            valid, fault = await anyio.to_thread.run_sync(read, limiter=self.read_limiter)
+        except Exception as exc:
+            self._failed(_remote_error(exc, self.store), "get")
+            return 0
+        self._ok()
+        if fault is not None and fault != "missing":
+            self._invalid[fault] = self._invalid.get(fault, 0) + 1
+            _log.warning("tier.remote_invalid_value", reason=fault, store=repr(self.store))
+        return valid
 
     def fetched(self, blocks: int) -> None:
         self._counts["fetched_blocks"] += blocks
