@@ -116,7 +116,7 @@ async def measure(
     timeout_s: float,
     server_pids: Sequence[int],
     backend: str,
-    direct_reads: bool = True,
+    direct_reads: bool | None = None,
 ) -> dict[str, Any]:
     import redis.asyncio
     import redis.asyncio.cluster
@@ -196,6 +196,7 @@ async def measure(
         "payload_bytes": nbytes,
         "backend": used_backend,
         "timeout_s": timeout_s,
+        "direct_reads": store.direct_reads,
         "rounds": rounds,
         "median": _medians(rounds),
         "remote_stats": {
@@ -405,7 +406,7 @@ def main() -> int:
                     timeout_s=args.timeout_s,
                     server_pids=pids,
                     backend=args.backend,
-                    direct_reads=not args.copied_reads,
+                    direct_reads=False if args.copied_reads else None,
                 ),
                 backend="asyncio",  # redis-py's client is asyncio's
             )
@@ -423,7 +424,7 @@ def main() -> int:
             print(f"{kind}:", file=sys.stderr)
             results[kind] = with_servers(kind, run(kind == "cluster"))
     doc = {
-        "direct_reads": not args.copied_reads,
+        "copied_reads": args.copied_reads,
         "blocks": blocks,
         "host_block_bytes": 64 * TOKENS * HEADS * HEAD_DIM * 2,
         "repeats": repeats,

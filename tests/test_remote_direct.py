@@ -14,15 +14,18 @@ import time
 from typing import Any
 
 import anyio
+import anyio.from_thread
+import anyio.to_thread
 import pytest
 
 from asyncpin.testing import FakeBackend
-from asyncpin.tier import RedisStore
+from asyncpin.tier import RedisStore, RemoteError
 from asyncpin.tier.remote import HEADER_BYTES, _Wire
 from tests.redis_servers import RedisServer
 from tests.test_remote_tier import (
     BLOCKS,
     TIMEOUT_S,
+    blocks_of,
     host_of,
     make_layout,
     nothing_held,
@@ -42,8 +45,15 @@ def anyio_backend() -> str:
 # -- the reply reader ------------------------------------------------------------------------
 
 
-def _replies(wire_bytes: bytes, sinks: list[list[memoryview]], *, chunk: int = 7) -> list[Any]:
-    """What ``_Wire`` reads of ``wire_bytes``, sent ``chunk`` bytes at a time."""
+Shape = tuple[int, int]  # a value's head buffer and body buffer sizes
+
+
+def _replies(
+    wire_bytes: bytes, shapes: list[Shape], *, chunk: int = 7
+) -> tuple[list[Any], list[bytes]]:
+    """What ``_Wire`` reads of ``wire_bytes`` (sent ``chunk`` bytes at a time) into a head
+    and a body buffer of each shape; returns the replies and each value's bytes kept
+    (head, then body)."""
     a, b = socket.socketpair()
     a.settimeout(5)
 
@@ -56,7 +66,24 @@ def _replies(wire_bytes: bytes, sinks: list[list[memoryview]], *, chunk: int = 7
     sender.start()
     try:
         wire = _Wire(a, float("inf"), lambda: None)
-        return [wire.value_into(s) for s in sinks]
+        replies, kept = [], []
+        for head_size, body_size in shapes:
+            head, body = memoryview(bytearray(head_size)), memoryview(bytearray(body_size))
+            asked: list[int] = []
+
+            def body_for(
+                size: int, body: memoryview = body, asked: list[int] = asked
+            ) -> memoryview | None:
+                asked.append(size)
+                return body if len(body) else None
+
+            reply = wire.value_into(head, body_for)
+            replies.append(reply)
+            if isinstance(reply, int):
+                kept.append(bytes(head[: min(head_size, reply)]) + (bytes(body) if asked else b""))
+            else:
+                kept.append(b"")
+        return replies, kept
     finally:
         sender.join()
         a.close()
@@ -66,40 +93,33 @@ def _bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
 
-def _sinks(*sizes: int) -> list[memoryview]:
-    return [memoryview(bytearray(n)) for n in sizes]
-
-
-def test_values_split_over_many_reads_land_in_their_sinks() -> None:
+def test_values_split_over_many_reads_land_in_their_buffers() -> None:
     one, two = bytes(range(200)), bytes(range(100, 250)) * 3
-    sinks = [_sinks(10, 190), _sinks(50, 400)]
-    got = _replies(_bulk(one) + _bulk(two), sinks, chunk=3)
-    assert got == [200, 450]
-    assert bytes(sinks[0][0]) + bytes(sinks[0][1]) == one
-    assert bytes(sinks[1][0]) + bytes(sinks[1][1]) == two
+    replies, kept = _replies(_bulk(one) + _bulk(two), [(10, 190), (50, 400)], chunk=3)
+    assert replies == [200, 450]
+    assert kept == [one, two]
 
 
 @pytest.mark.parametrize("nil", [b"$-1\r\n", b"_\r\n"])
 def test_a_missing_key_and_an_error_reply_keep_the_reader_in_step(nil: bytes) -> None:
-    sinks = [_sinks(4), _sinks(4), _sinks(4)]
-    got = _replies(nil + b"-MOVED 3999 127.0.0.1:7002\r\n" + _bulk(b"abcd"), sinks)
-    assert got == [None, b"MOVED 3999 127.0.0.1:7002", 4]
-    assert bytes(sinks[2][0]) == b"abcd"
+    wire_bytes = nil + b"-MOVED 3999 127.0.0.1:7002\r\n" + _bulk(b"abcdef")
+    replies, kept = _replies(wire_bytes, [(4, 2), (4, 2), (4, 2)])
+    assert replies == [None, b"MOVED 3999 127.0.0.1:7002", 6]
+    assert kept[2] == b"abcdef"
 
 
-def test_a_value_longer_than_its_sinks_is_read_through_and_its_length_said() -> None:
+def test_a_value_longer_than_its_buffers_is_read_through_and_its_size_said() -> None:
     long = bytes(range(256)) * 400  # 102400 bytes: more than the drop buffer
-    sinks = [_sinks(8, 8), _sinks(3)]
-    got = _replies(_bulk(long) + _bulk(b"xyz"), sinks, chunk=4093)
-    assert got == [len(long), 3]
-    assert bytes(sinks[0][0]) + bytes(sinks[0][1]) == long[:16]
-    assert bytes(sinks[1][0]) == b"xyz"  # the next reply is read where it starts
+    replies, kept = _replies(_bulk(long) + _bulk(b"xyz"), [(8, 8), (3, 0)], chunk=4093)
+    assert replies == [len(long), 3]
+    assert kept == [long[:16], b"xyz"]  # the next reply is read where it starts
 
 
-def test_a_shorter_value_fills_what_it_has() -> None:
-    sinks = [_sinks(4, 100)]
-    assert _replies(_bulk(b"abcdef"), sinks) == [6]
-    assert bytes(sinks[0][0]) == b"abcd" and bytes(sinks[0][1][:2]) == b"ef"
+def test_a_value_no_longer_than_its_head_never_asks_for_a_body() -> None:
+    replies, kept = _replies(_bulk(b"abcd") + _bulk(b"abcdef"), [(4, 100), (4, 100)])
+    assert replies == [4, 6]
+    assert kept[0] == b"abcd"  # no body asked: the head held it all
+    assert kept[1][:6] == b"abcdef"
 
 
 @pytest.mark.parametrize(
@@ -108,15 +128,17 @@ def test_a_shorter_value_fills_what_it_has() -> None:
         (b"+OK\r\n", "not a reply to GET"),
         (b"$4\r\nabcdXY", "without its CRLF"),
         (b"$10\r\nabc", "closed the connection"),
+        (b"$" + b"9" * 5000, "longer than 1024 bytes"),
+        (b"$-5\r\n", "not a reply to GET"),
     ],
 )
 def test_a_broken_reply_is_an_error(wire_bytes: bytes, words: str) -> None:
     with pytest.raises(ConnectionError, match=words):
-        _replies(wire_bytes, [_sinks(16)])
+        _replies(wire_bytes, [(4, 12)])
 
 
-class _Stop(Exception):
-    pass
+class _Stop(BaseException):
+    """What ``check_cancelled`` raises (as a cancellation does: not an Exception)."""
 
 
 def test_the_deadline_the_quiet_limit_and_the_cancel_check_stop_a_read() -> None:
@@ -132,12 +154,13 @@ def test_the_deadline_the_quiet_limit_and_the_cancel_check_stop_a_read() -> None
     with a, b:
         a.settimeout(_Wire.POLL_S)
         b.sendall(b"$100\r\n")
+        head = memoryview(bytearray(100))
         with pytest.raises(TimeoutError, match="4 times the timeout"):
-            _Wire(a, time.monotonic() + 0.1, lambda: None).value_into(_sinks(100))
+            _Wire(a, time.monotonic() + 0.1, lambda: None).value_into(head, lambda _: None)
         with pytest.raises(TimeoutError, match=r"no byte from the server for 0\.1 s"):
-            _Wire(a, float("inf"), lambda: None, quiet_s=0.1).value_into(_sinks(100))
+            _Wire(a, float("inf"), lambda: None, quiet_s=0.1).value_into(head, lambda _: None)
         with pytest.raises(_Stop):
-            _Wire(a, float("inf"), cancelled_at_the_third_look).value_into(_sinks(100))
+            _Wire(a, float("inf"), cancelled_at_the_third_look).value_into(head, lambda _: None)
 
 
 # -- on a real server ------------------------------------------------------------------------
@@ -195,10 +218,10 @@ async def test_a_cancelled_restore_waits_for_its_read_and_holds_nothing(
             reading = threading.Event()
             real = store.readinto
 
-            def paused_read(keys: Any, sinks: Any, **kwargs: Any) -> list[int | None]:
+            def paused_read(keys: Any, into: Any, **kwargs: Any) -> list[int | None]:
                 redis_server.pause()
                 reading.set()
-                return real(keys, sinks, **kwargs)
+                return real(keys, into, **kwargs)
 
             store.readinto = paused_read  # type: ignore[method-assign]
             try:
@@ -257,8 +280,8 @@ async def test_a_run_broken_for_want_of_room_stops_the_direct_fetch(
             commits: list[tuple[int, bool]] = []
             commit = _FetchSink.commit
 
-            def counted(sink: _FetchSink, part: Any, valid: int) -> bool:
-                go_on = commit(sink, part, valid)
+            def counted(sink: _FetchSink, valid: int) -> bool:
+                go_on = commit(sink, valid)
                 commits.append((valid, go_on))
                 if len(commits) == 2:
                     tier.index.end_load(others, held)  # that load is over: room again
@@ -266,7 +289,9 @@ async def test_a_run_broken_for_want_of_room_stops_the_direct_fetch(
 
             monkeypatch.setattr(_FetchSink, "commit", counted)
             assert await tier.restore(hashes, list(range(48))) == 16
-            assert commits == [(16, True), (16, False)]
+            # The second part found no room for its first value: nothing valid, and the
+            # run ends there (its values are read through, into no block).
+            assert commits == [(16, True), (0, True)]
             assert all(h in tier.index for h in others)  # none evicted for the gap's sake
             await nothing_held(tier)
 
@@ -274,3 +299,213 @@ async def test_a_run_broken_for_want_of_room_stops_the_direct_fetch(
 def test_the_fake_backend_is_what_these_tests_use() -> None:
     """(The layouts above are host tensors: FakeBackend moves them.)"""
     assert make_layout().device.type == "cpu" and FakeBackend().name == "fake"
+
+
+# -- review findings (each failed before its fix) --------------------------------------------
+
+
+@pytest.mark.redis
+async def test_asyncios_own_cancel_frees_no_block_while_the_read_writes_it(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """``asyncio.wait_for`` cancels a restore whose read waits on a paused server: the
+    restore returns only once the read has stopped, so the blocks it frees, stored into
+    by another request right after, are never written by the read. (Before: ``run_sync``
+    returned at once on asyncio's own cancellation, the blocks were freed and reused,
+    and when the server resumed the read wrote the first request's bytes over all 16 of
+    the second's.)"""
+    import asyncio
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(redis_server.url, redis_keyspace, host_blocks=16, timeout_s=5.0) as (
+            tier,
+            layout,
+        ):
+            a = list(range(700, 716))
+            await stored_and_forgotten(tier, layout, a)
+            store = tier.remote.store if tier.remote is not None else None
+            assert isinstance(store, RedisStore)
+            assert await tier.restore(a[:1], [0]) == 1  # a pooled connection
+            tier.clear()
+            done = threading.Event()
+            real = store.readinto
+
+            def paused_read(keys: Any, into: Any, **kwargs: Any) -> list[int | None]:
+                redis_server.pause()
+                try:
+                    return real(keys, into, **kwargs)
+                finally:
+                    done.set()
+
+            store.readinto = paused_read  # type: ignore[method-assign]
+            try:
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(tier.restore(a, list(range(16))), 0.3)
+                assert done.is_set()  # the read was over when the restore returned
+                b = list(range(900, 916))
+                kept_b = blocks_of(layout, list(range(16, 32)))
+                await tier.store(b, list(range(16, 32))).transfer  # into the freed blocks
+                assert tier.lookup(b) == 16
+            finally:
+                redis_server.resume()
+            store.readinto = real  # type: ignore[method-assign]
+            await tier.load(b, list(range(16)))
+            assert same(layout, list(range(16)), kept_b)
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("server", ["missing", "killed"])
+@pytest.mark.parametrize("direct_reads", [True, False])
+async def test_a_remote_miss_evicts_nothing(
+    server: str, direct_reads: bool, redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """The host is full of other requests' blocks; a restore of blocks the server lacks
+    (or of any block, the server down) evicts none of them. (Before: the direct fetch
+    reserved a whole part's blocks before reading, and evicted 16.)"""
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(
+            redis_server.url,
+            redis_keyspace,
+            direct_reads=direct_reads,
+            host_blocks=16,
+            timeout_s=0.5,
+        ) as (tier, _):
+            others = list(range(100, 116))
+            await tier.store(others, list(range(16))).transfer
+            await tier.remote_written()
+            if server == "killed":
+                redis_server.kill()
+            assert await tier.restore(list(range(500, 516)), list(range(16, 32))) == 0
+            assert tier.lookup(others) == 16
+            assert tier.index.stats().evicted_blocks == 0
+
+
+def test_options_the_direct_reads_cannot_use_are_refused() -> None:
+    """An object of redis-py's asyncio client (a ``Retry`` of ``redis.asyncio``) would
+    break every direct read (review: AttributeError on each fetch, the tier degraded
+    for good); a cluster reads through its own client."""
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    from asyncpin import ConfigError
+
+    with pytest.raises(ConfigError, match="retry= is an object of redis-py's asyncio"):
+        RedisStore("redis://127.0.0.1:1/0", retry=Retry(NoBackoff(), 1))
+    store = RedisStore("redis://127.0.0.1:1/0", retry=Retry(NoBackoff(), 1), direct_reads=False)
+    assert not store.direct_reads
+    with pytest.raises(ConfigError, match="single node"):
+        RedisStore("redis://127.0.0.1:1/0", cluster=True, direct_reads=True)
+    assert not RedisStore("redis://127.0.0.1:1/0", cluster=True).direct_reads
+    assert RedisStore("redis://127.0.0.1:1/0").direct_reads
+
+
+@pytest.mark.redis
+async def test_a_closed_store_reads_nothing(redis_server: RedisServer) -> None:
+    """(Review: a read after ``aclose`` made a new client that nobody closed.)"""
+    store = RedisStore(redis_server.url, timeout_s=1.0)
+    await store.aclose()
+    with pytest.raises(RemoteError, match="closed"):
+        await anyio.to_thread.run_sync(lambda: store.readinto(["k"], lambda *_: None, head_bytes=4))
+    assert store._blocking is None
+
+
+async def test_a_thread_run_to_the_end_outlasts_asyncios_own_cancel() -> None:
+    """``_thread_to_the_end`` (the copies into and out of host blocks, the direct reads)
+    returns only once its thread has, and the thread sees the cancellation."""
+    import asyncio
+
+    from asyncpin.tier.remote import _thread_to_the_end
+
+    saw_cancel = threading.Event()
+    finished = threading.Event()
+
+    def work() -> None:
+        try:
+            for _ in range(500):
+                anyio.from_thread.check_cancelled()
+                time.sleep(0.01)
+        except BaseException:
+            saw_cancel.set()
+            raise
+        finally:
+            finished.set()
+
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(_thread_to_the_end(work, anyio.CapacityLimiter(1)), 0.05)
+    assert finished.is_set() and saw_cancel.is_set()
+    with pytest.raises(ValueError, match="raised as itself"):
+        await _thread_to_the_end(
+            lambda: (_ for _ in ()).throw(ValueError("raised as itself")),
+            anyio.CapacityLimiter(1),
+        )
+
+
+class _DrippingServer:
+    """A TCP server that answers whatever it is sent with a reply line that never ends,
+    one byte every 20 ms, until the client goes (what a hostile process on the port, or
+    a broken proxy, can do to a client's handshake)."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        self._listener.settimeout(0.05)
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            thread = threading.Thread(target=self._drip, args=(client,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _drip(self, client: socket.socket) -> None:
+        with client:
+            try:
+                client.recv(4096)
+                client.sendall(b"+")
+                while not self._stop.wait(0.02):
+                    client.sendall(b"O")
+            except OSError:
+                pass  # the client shut the connection
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(5)
+        self._listener.close()
+
+
+@pytest.mark.parametrize("stop_by", ["deadline", "cancel"])
+async def test_a_handshake_that_never_ends_is_bounded(stop_by: str) -> None:
+    """redis-py's connect and handshake, which no deadline of ours reached, against a
+    server that drips a reply line without end: the read stops at 4 times the timeout,
+    or at once when cancelled. (Review: it hung without end, cancellation ignored.)"""
+    server = _DrippingServer()
+    store = RedisStore(f"redis://127.0.0.1:{server.port}", timeout_s=0.3)
+    try:
+        stop_at = time.monotonic() + (0.2 if stop_by == "cancel" else 1e9)
+
+        def check_cancelled() -> None:
+            if time.monotonic() > stop_at:
+                raise _Stop
+
+        def read() -> Any:
+            return store.readinto(
+                ["k"], lambda *_: None, head_bytes=4, check_cancelled=check_cancelled
+            )
+
+        with anyio.fail_after(10):  # before: no end
+            if stop_by == "cancel":
+                with pytest.raises(_Stop):
+                    await anyio.to_thread.run_sync(read)
+            else:
+                with pytest.raises(RemoteError, match="outlived 4 times the timeout"):
+                    await anyio.to_thread.run_sync(read)
+    finally:
+        await store.aclose()
+        server.close()

@@ -54,7 +54,7 @@ async def remote_tier(
     timeout_s: float = 2.0,
     store: RedisStore | None = None,
     host_blocks: int = HOST_BLOCKS,
-    direct_reads: bool = True,
+    direct_reads: bool | None = None,
     **kwargs: Any,
 ) -> AsyncIterator[tuple[KVTier, KVLayout]]:
     layout = layout if layout is not None else make_layout()
@@ -90,7 +90,7 @@ def same(layout: KVLayout, ids: list[int], kept: list[torch.Tensor]) -> bool:
     return all(torch.equal(raw[ids], k) for raw, k in zip(layout.byte_arrays(), kept, strict=True))
 
 
-@pytest.mark.parametrize("reads", ["direct", "copied"])
+@pytest.mark.parametrize("reads", ["default", "copied"])
 @pytest.mark.parametrize("kind", ["node", "cluster"])
 async def test_a_forgotten_prefix_comes_back_from_the_server(
     kind: str,
@@ -99,12 +99,16 @@ async def test_a_forgotten_prefix_comes_back_from_the_server(
     redis_cluster: RedisCluster,
     redis_keyspace: str,
 ) -> None:
-    """Both ways of fetching: read straight into host blocks (``readinto``, the
-    default) and through the client's values, copied in."""
+    """Both ways of fetching: by default (straight into host blocks on a single node,
+    ``readinto``; through the cluster client on a cluster) and through the client's
+    values, copied in."""
     url = redis_server.url if kind == "node" else redis_cluster.url
     with anyio.fail_after(TIMEOUT_S):
         async with remote_tier(
-            url, redis_keyspace, cluster=kind == "cluster", direct_reads=reads == "direct"
+            url,
+            redis_keyspace,
+            cluster=kind == "cluster",
+            direct_reads=None if reads == "default" else False,
         ) as (tier, layout):
             hashes = list(range(1000, 1012))
             kept = await stored_and_forgotten(tier, layout, hashes)
@@ -348,9 +352,9 @@ async def test_a_long_restore_reads_in_bounded_pipelines(
             sizes.append(len(keys))
             return await super().get(keys)
 
-        def readinto(self, keys: Any, sinks: Any, **kwargs: Any) -> list[int | None]:
+        def readinto(self, keys: Any, into: Any, **kwargs: Any) -> list[int | None]:
             sizes.append(len(keys))
-            return super().readinto(keys, sinks, **kwargs)
+            return super().readinto(keys, into, **kwargs)
 
     layout = make_layout()
     with anyio.fail_after(TIMEOUT_S):

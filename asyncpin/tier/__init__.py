@@ -30,7 +30,14 @@ from asyncpin.errors import ConfigError, InvalidTransferError, TransferError
 from asyncpin.stats import TierStats
 from asyncpin.tier.index import BlockEvent, BlockHash, BlockIndex, IndexStats, StorePlan
 from asyncpin.tier.policies import POLICY_NAMES
-from asyncpin.tier.remote import RedisStore, RemoteError, RemoteLink, RemoteStore, fingerprint
+from asyncpin.tier.remote import (
+    RedisStore,
+    RemoteError,
+    RemoteLink,
+    RemoteStore,
+    _thread_to_the_end,
+    fingerprint,
+)
 
 if TYPE_CHECKING:  # torch: a process with the index alone never imports it
     from asyncpin.manager import OffloadManager
@@ -224,9 +231,10 @@ class LayerStore:
 
 
 class _FetchSink:
-    """Where a restore's direct fetch reads (a ``HostSink``): each part's host blocks
-    reserved in the index, then the valid ones made loadable and kept from eviction
-    (in ``held``, until the restore's load is over) and the rest freed."""
+    """Where a restore's direct fetch reads (a ``HostSink``): a host block reserved in the
+    index for each value as it arrives, then, per part, the valid ones made loadable and
+    kept from eviction (in ``held``, until the restore's load is over) and the rest
+    freed."""
 
     def __init__(
         self,
@@ -240,26 +248,29 @@ class _FetchSink:
         self._remote = remote
         self._held = held
         self._removed = removed  # the index's removals when the run was found
-        self._plan: StorePlan | None = None
+        self._part: list[tuple[BlockHash, StorePlan]] = []  # reserved, in order
 
-    def reserve(self, part: Sequence[BlockHash]) -> list[memoryview | None]:
-        self._plan = plan = self._index.begin_store(list(part))
-        blocks = dict(zip(plan.hashes, plan.host_blocks, strict=True))
-        return [self._rows[blocks[h]].numpy().data if h in blocks else None for h in part]
+    def reserve(self, block_hash: BlockHash) -> memoryview | None:
+        plan = self._index.begin_store([block_hash])
+        if not plan.hashes:  # no room (or present meanwhile): the run ends here
+            self._index.end_store(plan, ok=False)
+            return None
+        self._part.append((block_hash, plan))
+        view: memoryview = self._rows[plan.host_blocks[0]].numpy().data
+        return view
 
-    def commit(self, part: Sequence[BlockHash], valid: int) -> bool:
-        plan, self._plan = self._plan, None
-        assert plan is not None, "commit without reserve"
-        good = set(part[:valid])
-        self._index.end_store(plan, ok=good)  # not written back: it came from there
-        self._remote.fetched(sum(1 for h in plan.hashes if h in good))
+    def commit(self, valid: int) -> bool:
+        part, self._part = self._part, []
+        for i, (_, plan) in enumerate(part):
+            self._index.end_store(plan, ok=i < valid)  # not written back: it came from there
         ready: list[BlockHash] = []
-        for h in part[:valid]:
-            if h not in self._index:  # no room for it: the run ends before it
+        for h, _ in part[:valid]:
+            if h not in self._index:  # removed while it was read
                 break
             ready.append(h)
+        self._remote.fetched(len(ready))
         self._held.append((ready, self._index.begin_load(ready, touch=False)))
-        return len(ready) == len(part) and self._index.stats().removed_blocks == self._removed
+        return len(ready) == valid and self._index.stats().removed_blocks == self._removed
 
 
 class KVTier:
@@ -663,7 +674,7 @@ class KVTier:
 
         ok = False
         try:
-            await anyio.to_thread.run_sync(copy_in, limiter=remote.copy_limiter)
+            await _thread_to_the_end(copy_in, remote.copy_limiter)
             ok = True
         finally:
             self.index.end_store(plan, ok=ok)  # not written back: it came from there

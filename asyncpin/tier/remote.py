@@ -28,6 +28,7 @@ shardings never read each other's blocks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import struct
@@ -36,7 +37,7 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import anyio
 import anyio.to_thread
@@ -58,6 +59,7 @@ __all__ = [
 ]
 
 _log = structlog.get_logger("asyncpin")
+T = TypeVar("T")
 
 MAGIC = b"APKV"
 VERSION = 1
@@ -113,7 +115,7 @@ class RedisStore:
         cluster: bool = False,
         timeout_s: float = 1.0,
         ttl_s: float | None = None,
-        direct_reads: bool = True,
+        direct_reads: bool | None = None,
         **client_options: Any,
     ) -> None:
         try:
@@ -145,15 +147,29 @@ class RedisStore:
         except (ValueError, TypeError):
             raise ConfigError(f"not a usable Redis URL or option for {self._where}") from None
         self.cluster = cluster
+        if direct_reads is None:
+            direct_reads = not cluster
         if not isinstance(direct_reads, bool):
-            raise ConfigError(f"direct_reads must be a bool, got {direct_reads!r}")
-        #: Whether ``readinto`` is used for fetches (see :meth:`readinto`).
-        self.direct_reads = direct_reads
+            raise ConfigError(f"direct_reads must be a bool or None, got {direct_reads!r}")
+        if direct_reads and cluster:
+            raise ConfigError(
+                "direct_reads=True is for a single node: a cluster's fetches go through "
+                "redis-py's cluster client, which follows MOVED and ASK"
+            )
+        if direct_reads:
+            for option, value in client_options.items():
+                if type(value).__module__.startswith("redis.asyncio"):
+                    raise ConfigError(
+                        f"{option}= is an object of redis-py's asyncio client, which the "
+                        "direct reads' blocking client cannot use: pass direct_reads=False"
+                    )
+        #: Whether fetches read straight into host blocks (:meth:`readinto`).
+        self.direct_reads: bool = direct_reads
         # readinto's blocking client (made on first use, in a worker thread).
         self._blocking_args = (url, options)
         self._blocking: Any = None
         self._blocking_lock = threading.Lock()
-        self._refresh = False  # a node answered MOVED/ASK: refresh the cluster's slots
+        self._closed = False
 
     def __repr__(self) -> str:
         return f"<RedisStore {self._where}{' cluster' if self.cluster else ''}>"
@@ -228,91 +244,77 @@ class RedisStore:
     def readinto(
         self,
         keys: Sequence[str],
-        sinks: Sequence[Sequence[memoryview]],
+        into: Callable[[int, int, memoryview], memoryview | None],
         *,
+        head_bytes: int,
         check_cancelled: Callable[[], None] = lambda: None,
     ) -> list[int | None]:
-        """Blocking: run it in a worker thread. Each key's value read from the socket
-        straight into its sinks (memoryviews, filled in order; what does not fit is read
-        and dropped): no copy on the way. Returns each value's length, None for a missing
-        key. One pipeline per node, bounded by ``timeout_s`` for every read and by 4 times
-        it in all; ``check_cancelled`` is called between reads (it raises to stop). Any
-        failure is a RemoteError; a connection left mid-reply is closed, never reused.
+        """Blocking: run it in a worker thread. Each key's value read off the socket with
+        no copy on the way: its first ``head_bytes`` into a buffer, then ``into(i, size,
+        head)`` says where the rest goes (a memoryview, filled from its start; what does
+        not fit, or all of it for None, is read and dropped). Returns each value's size,
+        None for a missing key. One pipeline, each socket wait bounded by ``timeout_s``
+        and the whole by 4 times it; ``check_cancelled`` is called at least every 50 ms
+        while waiting (it raises to stop). Any failure is a RemoteError; a connection
+        left mid-reply is closed, never reused. A single node only (``direct_reads``).
 
-        The sockets are redis-py's own (its connection pool: AUTH, TLS and the rest as
+        The socket is redis-py's own (its connection pool: AUTH, TLS and the rest as
         configured); only the replies of these GETs are read past its parser."""
-        if len(keys) != len(sinks):
-            raise ValueError(f"{len(keys)} keys and {len(sinks)} sinks")
-        lengths: list[int | None] = [None] * len(keys)
+        if not self.direct_reads:
+            raise RemoteError(f"{self!r} has direct_reads off")
+        sizes: list[int | None] = [None] * len(keys)
         if not keys:
-            return lengths
+            return sizes
         deadline = time.monotonic() + self._timeout_s * 4
+        failure: RemoteError | None = None
         try:
-            for node_client, positions in self._by_node(keys):
-                pool = node_client.connection_pool
-                conn = pool.get_connection()
-                try:
-                    conn.send_packed_command(
-                        conn.pack_commands([("GET", keys[i]) for i in positions])
-                    )
-                    sock = conn._sock
-                    sock.settimeout(_Wire.POLL_S)
-                    wire = _Wire(sock, deadline, check_cancelled, self._timeout_s)
-                    errors = []
-                    for i in positions:
-                        got = wire.value_into(sinks[i])
-                        if isinstance(got, bytes):
-                            errors.append(got)
-                        else:
-                            lengths[i] = got
-                    sock.settimeout(conn.socket_timeout)  # redis-py's, for its next reads
-                except BaseException:
-                    conn.disconnect()  # mid-reply: its next reader would read our bytes
-                    raise
-                finally:
-                    pool.release(conn)
-                if errors:
-                    if any(e.startswith((b"MOVED ", b"ASK ")) for e in errors):
-                        self._refresh = True
-                    said = errors[0].decode(errors="replace")
-                    raise RemoteError(f"GET on {self._where} failed: {_redact(said)}")
-        except RemoteError:
-            raise
+            with self._blocking_lock:
+                if self._closed:
+                    raise ConnectionError("the store is closed")
+                if self._blocking is None:
+                    import redis
+
+                    url, options = self._blocking_args
+                    self._blocking = redis.Redis.from_url(url, **options)
+                pool = self._blocking.connection_pool
+            conn = _connection(pool, deadline, check_cancelled)
+            try:
+                conn.send_packed_command(conn.pack_commands([("GET", key) for key in keys]))
+                sock = conn._sock
+                sock.settimeout(_Wire.POLL_S)
+                wire = _Wire(sock, deadline, check_cancelled, self._timeout_s)
+                head = memoryview(bytearray(head_bytes))
+                error: bytes | None = None
+                for i in range(len(keys)):
+                    got = wire.value_into(head, functools.partial(_body_of, into, i, head))
+                    if isinstance(got, bytes):
+                        error = error or got
+                    else:
+                        sizes[i] = got
+                sock.settimeout(conn.socket_timeout)  # redis-py's, for its next reads
+            except BaseException:
+                conn.disconnect()  # mid-reply: its next reader would read our bytes
+                raise
+            finally:
+                pool.release(conn)
+            if error is not None:
+                said = error.decode(errors="replace")
+                failure = RemoteError(f"GET on {self._where} failed: {_redact(said)}")
         except Exception as exc:
-            raise RemoteError(
+            failure = RemoteError(
                 f"GET on {self._where} failed: {type(exc).__name__}"
                 + (f" ({_redact(str(exc))})" if str(exc) else "")
-            ) from None
-        return lengths
-
-    def _by_node(self, keys: Sequence[str]) -> list[tuple[Any, list[int]]]:
-        """The blocking client of each node that holds some of ``keys``, with the
-        positions of its keys (one node: the client itself)."""
-        with self._blocking_lock:
-            if self._blocking is None:
-                import redis
-                import redis.cluster
-
-                url, options = self._blocking_args
-                if self.cluster:
-                    self._blocking = redis.cluster.RedisCluster.from_url(url, **options)
-                else:
-                    self._blocking = redis.Redis.from_url(url, **options)
-            client = self._blocking
-            if self.cluster and self._refresh:
-                self._refresh = False
-                client.nodes_manager.initialize()
-        if not self.cluster:
-            return [(client, list(range(len(keys))))]
-        groups: dict[str, tuple[Any, list[int]]] = {}
-        for i, key in enumerate(keys):
-            node = client.get_node_from_key(key)
-            group = groups.setdefault(node.name, (client.get_redis_connection(node), []))
-            group[1].append(i)
-        return list(groups.values())
+            )
+        if failure is not None:
+            # Raised here, with no context: the failed read's traceback would keep its
+            # frames, and the host blocks' memory they name, alive until a collection.
+            raise failure
+        return sizes
 
     async def aclose(self) -> None:
-        blocking, self._blocking = self._blocking, None
+        with self._blocking_lock:
+            self._closed = True
+            blocking, self._blocking = self._blocking, None
         if blocking is not None:
             with contextlib.suppress(Exception):
                 await anyio.to_thread.run_sync(blocking.close)
@@ -356,6 +358,7 @@ class _Wire:
     are looked at: a cancelled caller waits at most that long for a stalled server."""
 
     _LINE_READ = 4096  # what a line's read may take of the value after it (copied)
+    _MAX_LINE = 1024  # longer is not a reply to GET (an error's text is short too)
     POLL_S = 0.05
 
     def __init__(
@@ -394,6 +397,8 @@ class _Wire:
 
     def _line(self) -> bytes:
         while (end := self._buf.find(b"\r\n")) < 0:
+            if len(self._buf) > self._MAX_LINE:  # a GET's reply lines are a few bytes
+                raise ConnectionError(f"a reply line longer than {self._MAX_LINE} bytes")
             more = self._recv(None)
             assert isinstance(more, bytes)
             self._buf += more
@@ -410,9 +415,12 @@ class _Wire:
             assert isinstance(got, int)
             take += got
 
-    def value_into(self, sinks: Sequence[memoryview]) -> int | bytes | None:
-        """The next reply: a value's length (its bytes in ``sinks``), None (no such key),
-        or an error reply's text (bytes)."""
+    def value_into(
+        self, head: memoryview, body_for: Callable[[int], memoryview | None]
+    ) -> int | bytes | None:
+        """The next reply: a value's size (its first bytes in ``head``, the rest where
+        ``body_for(size)`` says, or dropped), None (no such key), or an error reply's
+        text (bytes)."""
         line = self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"-":
@@ -421,9 +429,13 @@ class _Wire:
             return None
         if kind != b"$" or not rest.isdigit():
             raise ConnectionError(f"not a reply to GET: {line[:40]!r}")
-        length = left = int(rest)
-        for sink in sinks:
-            part = sink[: min(len(sink), left)]
+        size = int(rest)
+        first = head[: min(len(head), size)]
+        self._fill(first)
+        left = size - len(first)
+        body = body_for(size) if left else None
+        if body is not None:
+            part = body[: min(len(body), left)]
             self._fill(part)
             left -= len(part)
         drop = memoryview(bytearray(min(left, 1 << 16)))
@@ -434,7 +446,7 @@ class _Wire:
         self._fill(memoryview(end))
         if end != b"\r\n":
             raise ConnectionError("a value without its CRLF")
-        return length
+        return size
 
 
 # -- the value format --------------------------------------------------------------------
@@ -559,18 +571,18 @@ class _Part:
 
 
 class HostSink(Protocol):
-    """Where ``RemoteLink.fetch_direct`` reads a part: host blocks reserved for it,
-    then made loadable (or freed)."""
+    """Where ``RemoteLink.fetch_direct`` reads a part: a host block reserved for each
+    value whose header is right, as it arrives; then the valid ones made loadable."""
 
-    def reserve(self, part: Sequence[int | bytes]) -> list[memoryview | None]:
-        """A host block's memory for each hash (None: the hash needs none, or there is
-        no room: its value is read, checked and dropped)."""
+    def reserve(self, block_hash: int | bytes) -> memoryview | None:
+        """A host block's memory for ``block_hash``'s payload, reserved (not loadable),
+        or None: no room (the run ends there). Called on the event loop."""
         ...
 
-    def commit(self, part: Sequence[int | bytes], valid: int) -> bool:
-        """The leading ``valid`` values are checked data in their blocks: make them
-        loadable, free the rest. Returns whether to read on. Called once per
-        ``reserve``, whatever happened between."""
+    def commit(self, valid: int) -> bool:
+        """The leading ``valid`` values of the part are checked data in their blocks:
+        make them loadable, free every other block reserved for it. Returns whether to
+        read on. Called once per part, after its read is over, whatever happened."""
         ...
 
 
@@ -750,7 +762,7 @@ class RemoteLink:
         counted = False
         try:
             try:
-                items = await anyio.to_thread.run_sync(copy_out, limiter=self._limiter)
+                items = await _thread_to_the_end(copy_out, self._limiter)
             finally:
                 for h, block in held:
                     release(h, block)
@@ -920,23 +932,23 @@ class RemoteLink:
 
     async def fetch_direct(self, hashes: Sequence[int | bytes], sink: HostSink) -> int:
         """``fetch_into`` for a store that reads into memory (``readinto``): each part of
-        ``batch`` blocks is read in a worker thread straight into the host blocks that
-        ``sink.reserve`` gives (no copy on the way), checked there, and ``sink.commit``
-        makes the valid leading ones loadable. A miss, an invalid value, a failing server
-        or a commit that says stop ends the run. Returns the blocks committed valid. A
-        cancellation waits for the part's read (it writes into the reserved blocks),
-        which stops at its next socket read."""
+        ``batch`` blocks is read in a worker thread, each value's payload straight into
+        the host block ``sink.reserve`` gives once its header is right (no copy on the
+        way), its CRC-32 checked there; ``sink.commit`` then makes the valid leading ones
+        loadable. A miss, an invalid value, no room, a failing server or a commit that
+        says stop ends the run. Returns the blocks committed valid. However the caller
+        is cancelled (an anyio scope, or asyncio's own), the part's read is over before
+        its blocks are freed: the read stops at its next socket wait."""
         asked = found = 0
         try:
             for lo in range(0, len(hashes), self.batch):
                 part = hashes[lo : lo + self.batch]
                 asked += len(part)
-                views = sink.reserve(part)
                 valid = 0
                 try:
-                    valid = await self._read_part(part, views)
+                    valid = await self._read_part(part, sink)
                 finally:
-                    go_on = sink.commit(part, valid)
+                    go_on = sink.commit(valid)
                 found += valid
                 if valid < len(part) or not go_on:
                     break
@@ -946,42 +958,61 @@ class RemoteLink:
             self._counts["missed_blocks"] += asked - found
         return found
 
-    async def _read_part(self, part: Sequence[int | bytes], views: list[memoryview | None]) -> int:
-        """How many leading values of ``part`` were read into ``views`` and are data."""
+    async def _read_part(self, part: Sequence[int | bytes], sink: HostSink) -> int:
+        """How many leading values of ``part`` were read into host blocks and are data."""
+        import anyio.from_thread
+
         read_into: Callable[..., list[int | None]] = cast(Any, self.store).readinto
-        keys = [self.key_of(h) for h in part]
-        heads = [memoryview(bytearray(HEADER_BYTES)) for _ in part]
+        digests = [hash_digest(h) for h in part]
+        # What each value turned out to be: a fault's name, or its payload's memory.
+        seen: list[str | tuple[memoryview, int]] = ["missing"] * len(part)
+        ended = False  # a fault or no room: no block is reserved past it
+
+        def body_for(i: int, size: int, head: memoryview) -> memoryview | None:
+            nonlocal ended
+            fault, crc = _header_fault(
+                size, head, nbytes=self.nbytes, print_=self.print_, digest=digests[i]
+            )
+            if ended or fault is not None:
+                ended = True
+                seen[i] = fault or "after the end"
+                return None
+            block = anyio.from_thread.run_sync(sink.reserve, part[i])
+            if block is None:
+                ended = True
+                seen[i] = "room"
+                return None
+            seen[i] = (block, crc)
+            return block
 
         def read() -> tuple[int, str | None]:
-            import anyio.from_thread
-
-            # A block with no host block is read (a part is one pipeline) into a spare.
-            bodies = [v if v is not None else memoryview(bytearray(self.nbytes)) for v in views]
             sizes = read_into(
-                keys,
-                list(zip(heads, bodies, strict=True)),
+                [self.key_of(h) for h in part],
+                body_for,
+                head_bytes=HEADER_BYTES,
                 check_cancelled=anyio.from_thread.check_cancelled,
             )
-            for i, h in enumerate(part):
-                fault = check_read(
-                    sizes[i],
-                    heads[i],
-                    bodies[i],
-                    nbytes=self.nbytes,
-                    print_=self.print_,
-                    digest=hash_digest(h),
-                )
-                if fault is not None:
-                    return i, fault
+            for i, size in enumerate(sizes):
+                got = seen[i]
+                if size is not None and got == "missing":  # no payload: too short
+                    got = "truncated"
+                if isinstance(got, str):
+                    return i, got
+                block, crc = got
+                if zlib.crc32(block) != crc:
+                    return i, "checksum"
             return len(part), None
 
         try:
-            valid, fault = await anyio.to_thread.run_sync(read, limiter=self.read_limiter)
+            valid, fault = await _thread_to_the_end(read, self.read_limiter)
         except Exception as exc:
             self._failed(_remote_error(exc, self.store), "get")
             return 0
+        finally:  # no frame a traceback keeps names a host block's memory
+            seen.clear()
         self._ok()
-        if fault is not None and fault != "missing":
+        if fault not in (None, "missing", "room", "after the end"):
+            assert fault is not None
             self._invalid[fault] = self._invalid.get(fault, 0) + 1
             _log.warning("tier.remote_invalid_value", reason=fault, store=repr(self.store))
         return valid
@@ -1018,3 +1049,72 @@ def _remote_error(error: Exception, store: RemoteStore) -> RemoteError:
     if isinstance(error, RemoteError):
         return error
     return RemoteError(f"{store!r} raised {type(error).__name__}")
+
+
+def _connection(pool: Any, deadline: float, check_cancelled: Callable[[], None]) -> Any:
+    """``pool.get_connection()`` (redis-py's connect and handshake, which no deadline of
+    ours reaches: a server that drips its replies would hold it without end), made in a
+    thread of its own while this one looks at the deadline and ``check_cancelled`` every
+    ``_Wire.POLL_S``. Past them, the pool's connections in use are shut until that
+    thread gives up (its socket closed under it), then the error is raised."""
+    made: list[Any] = []
+    failed: list[BaseException] = []
+    over = threading.Event()
+
+    def connect() -> None:
+        try:
+            made.append(pool.get_connection())
+        except BaseException as exc:
+            failed.append(exc)
+        finally:
+            over.set()
+
+    threading.Thread(target=connect, name="asyncpin-redis-connect", daemon=True).start()
+    try:
+        while not over.wait(_Wire.POLL_S):
+            check_cancelled()
+            if time.monotonic() > deadline:
+                raise TimeoutError("connecting outlived 4 times the timeout")
+    except BaseException:
+        while not over.wait(_Wire.POLL_S):
+            pool.disconnect(inuse_connections=True)  # its socket, once it has one
+        for conn in made:
+            conn.disconnect()
+            pool.release(conn)
+        raise
+    if failed:
+        raise failed[0]
+    return made[0]
+
+
+def _body_of(
+    into: Callable[[int, int, memoryview], memoryview | None], i: int, head: memoryview, size: int
+) -> memoryview | None:
+    return into(i, size, head)
+
+
+async def _thread_to_the_end(fn: Callable[[], T], limiter: anyio.CapacityLimiter) -> T:
+    """``anyio.to_thread.run_sync(fn)`` that returns, or raises, only once ``fn`` has
+    returned, however the caller is cancelled. ``run_sync`` waits for its thread through
+    an anyio cancellation, but not through asyncio's own (``Task.cancel``,
+    ``asyncio.wait_for``): it returns at once, the thread running on. A task group's
+    exit waits for its task in both cases, and cancels it, which ``fn`` sees through
+    ``anyio.from_thread.check_cancelled``. Use it where the thread touches memory that
+    the caller frees once the call is over."""
+    out: list[T] = []
+    failed: list[Exception] = []
+
+    async def run() -> None:
+        try:
+            out.append(await anyio.to_thread.run_sync(fn, limiter=limiter))
+        except Exception as exc:  # raised below as itself, not in an exception group
+            failed.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+    if failed:
+        try:
+            raise failed[0]
+        finally:
+            failed.clear()
+    return out[0]
