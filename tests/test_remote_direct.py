@@ -25,6 +25,7 @@ from tests.redis_servers import RedisServer
 from tests.test_remote_tier import (
     BLOCKS,
     TIMEOUT_S,
+    a_run_behind_a_held_host,
     blocks_of,
     host_of,
     make_layout,
@@ -271,12 +272,7 @@ async def test_a_run_broken_for_want_of_room_stops_the_direct_fetch(
         async with remote_tier(
             redis_server.url, redis_keyspace, layout=host_of(dev), host_blocks=dev
         ) as (tier, layout):
-            hashes = list(range(400, 448))
-            await stored_and_forgotten(tier, layout, hashes)
-            others = list(range(900, 948))  # another request's prefix, held by its load
-            await tier.store(others, list(range(48))).transfer
-            await tier.remote_written()
-            held = tier.index.begin_load(others)
+            hashes, others, held = await a_run_behind_a_held_host(tier, layout)
             commits: list[tuple[int, bool]] = []
             commit = _FetchSink.commit
 
@@ -509,3 +505,44 @@ async def test_a_handshake_that_never_ends_is_bounded(stop_by: str) -> None:
     finally:
         await store.aclose()
         server.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("fault", ["killed", "paused"])
+async def test_a_failed_direct_read_keeps_no_host_memory_alive(
+    fault: str, redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """The server dies, or stops answering mid-read; the direct fetch fails; with the
+    cycle collector off, leaving the manager unmaps its region at once (review: the
+    error's traceback and anyio's future formed cycles that kept the host blocks' views
+    alive: ``region.kept_by_views``)."""
+    import gc
+
+    import structlog
+
+    gc.collect()
+    gc.disable()
+    try:
+        with structlog.testing.capture_logs() as events, anyio.fail_after(TIMEOUT_S):
+            async with remote_tier(redis_server.url, redis_keyspace, timeout_s=0.5) as (
+                tier,
+                layout,
+            ):
+                await stored_and_forgotten(tier, layout, [1, 2, 3])
+                if fault == "killed":
+                    redis_server.kill()
+                else:  # mid-read: the pool has a connection, the server stops answering
+                    assert await tier.restore([1], [0]) == 1
+                    tier.clear()
+                    redis_server.pause()
+                try:
+                    assert await tier.restore([1, 2, 3], [0, 1, 2]) == 0
+                finally:
+                    redis_server.reset()
+                remote = tier.stats().remote
+                assert remote is not None and remote.degraded
+    finally:
+        gc.enable()
+    names = [event["event"] for event in events]
+    assert "manager.closed" in names
+    assert "region.kept_by_views" not in names, names

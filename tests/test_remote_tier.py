@@ -608,6 +608,19 @@ def host_of(blocks: int, seed: int = 3) -> KVLayout:
     return KVLayout.from_tensors(kv, block_dim=1)
 
 
+async def a_run_behind_a_held_host(
+    tier: KVTier, layout: KVLayout
+) -> tuple[list[int], list[int], list[int]]:
+    """48 blocks on the server only, and another request's 48 blocks on the host (of 64),
+    held by its load: returns the run's hashes, the other's, and its held host blocks."""
+    hashes = list(range(400, 448))
+    await stored_and_forgotten(tier, layout, hashes)
+    others = list(range(900, 948))  # another request's prefix, held by its load
+    await tier.store(others, list(range(48))).transfer
+    await tier.remote_written()
+    return hashes, others, tier.index.begin_load(others)
+
+
 async def test_a_broken_run_stops_the_fetch_and_evicts_nothing_for_it(
     redis_server: RedisServer, redis_keyspace: str
 ) -> None:
@@ -623,12 +636,7 @@ async def test_a_broken_run_stops_the_fetch_and_evicts_nothing_for_it(
             host_blocks=dev,
             direct_reads=False,
         ) as (tier, layout):
-            hashes = list(range(400, 448))
-            await stored_and_forgotten(tier, layout, hashes)
-            others = list(range(900, 948))  # another request's prefix, held by its load
-            await tier.store(others, list(range(48))).transfer
-            await tier.remote_written()
-            held = tier.index.begin_load(others)
+            hashes, others, held = await a_run_behind_a_held_host(tier, layout)
             copy_in = tier._into_host
             parts: list[tuple[int, int]] = []
 

@@ -306,9 +306,13 @@ class RedisStore:
                 + (f" ({_redact(str(exc))})" if str(exc) else "")
             )
         if failure is not None:
-            # Raised here, with no context: the failed read's traceback would keep its
-            # frames, and the host blocks' memory they name, alive until a collection.
-            raise failure
+            # Raised here, with no context, and the name dropped: the failed read's
+            # traceback would keep its frames, and the host blocks' memory they name,
+            # alive until a collection (a cycle through this frame's ``failure``).
+            try:
+                raise failure
+            finally:
+                failure = None
         return sizes
 
     async def aclose(self) -> None:
@@ -1083,7 +1087,10 @@ def _connection(pool: Any, deadline: float, check_cancelled: Callable[[], None])
             pool.release(conn)
         raise
     if failed:
-        raise failed[0]
+        try:
+            raise failed[0]
+        finally:  # no cycle through this frame keeps the caller's frames alive
+            failed.clear()
     return made[0]
 
 
@@ -1108,7 +1115,9 @@ async def _thread_to_the_end(fn: Callable[[], T], limiter: anyio.CapacityLimiter
         try:
             out.append(await anyio.to_thread.run_sync(fn, limiter=limiter))
         except Exception as exc:  # raised below as itself, not in an exception group
-            failed.append(exc)
+            # Without the thread's traceback: anyio's future holds the exception, whose
+            # traceback holds the frames that hold the future (and what ``fn`` used).
+            failed.append(exc.with_traceback(None))
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(run)
