@@ -7,7 +7,8 @@ Three pieces:
   ``put`` and ``exists`` of whole values by key, ``aclose``. Every failure of the server
   (refused, reset, timed out, out of memory) is a :class:`RemoteError`.
   :class:`RedisStore` implements it with redis-py's asyncio client (the optional extra
-  ``asyncpin[remote]``).
+  ``asyncpin[remote]``). A store may also offer ``readinto`` (blocking, values read
+  straight into host memory) and ``direct_reads = True``: RedisStore does on one node.
 - The value format (:func:`encode_header`, :func:`decode`): a 64-byte header (magic,
   version, payload length, CRC-32 of the payload, the layout's fingerprint, a digest of
   the block hash), then the host block's bytes. A value is data only when every field
