@@ -8,6 +8,7 @@ client library's error is a miss, a run broken for want of room stops the fetch.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -59,7 +60,7 @@ def _replies(
     a.settimeout(5)
 
     def send() -> None:
-        with b:
+        with b, contextlib.suppress(OSError):  # the reader gave up and closed its end
             for i in range(0, len(wire_bytes), chunk):
                 b.sendall(wire_bytes[i : i + chunk])
 
@@ -86,8 +87,10 @@ def _replies(
                 kept.append(b"")
         return replies, kept
     finally:
-        sender.join()
+        # Closed before the join: a reader that raised stops reading, and the sender's
+        # small sends fill the socket's buffer (each costs far more than its bytes).
         a.close()
+        sender.join()
 
 
 def _bulk(value: bytes) -> bytes:
