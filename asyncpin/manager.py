@@ -23,6 +23,7 @@ from asyncpin._config import (
     check_num_host_blocks,
 )
 from asyncpin._lifecycle import Lifecycle, ManagerState
+from asyncpin._log import ShieldedLog
 from asyncpin._opened import Opened, no_stats_fields
 from asyncpin._router import TransferRouter
 from asyncpin._tasks import OwnedTasks
@@ -116,7 +117,7 @@ class OffloadManager:
         self._observers: list[Callable[[Transfer], None]] = []
         self._id = next(_ids)
         base = logger if logger is not None else structlog.get_logger("asyncpin")
-        self._log = base.bind(manager=self._id, backend=self._backend.name)
+        self._log = ShieldedLog(base).bind(manager=self._id, backend=self._backend.name)
         self._gate = PauseGate()
         self._pinned = PinnedSignal()
         # The manager's background tasks (the pin pipeline, the engine's, transfers waiting

@@ -23,6 +23,7 @@ import anyio.to_thread
 import structlog
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
+from asyncpin._log import ShieldedLog
 from asyncpin._outcome import Outcome
 from asyncpin.backends import call_before_unpin
 from asyncpin.chunks import ChunkState, ChunkTable
@@ -103,7 +104,7 @@ class PinScheduler:
         self.chunks = chunks
         self.gate = gate
         self.pinned = pinned if pinned is not None else PinnedSignal()
-        self._log = log if log is not None else structlog.get_logger("asyncpin")
+        self._log = ShieldedLog(log if log is not None else structlog.get_logger("asyncpin"))
         self._prefault_threads = prefault_threads
         self._pin_threads = pin_threads
         self._pin_interval_s = pin_interval_s

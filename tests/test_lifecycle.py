@@ -992,3 +992,33 @@ class TestHostBackend:
         assert info.value is boom
         assert _sys.vm_locked_bytes() == baseline
         assert_closed_cleanly(mgr, backend, address, None)
+
+
+class _UnwritableLog:
+    """A logger whose every line meets a closed pipe (``python app.py | head -1``)."""
+
+    def bind(self, **_: Any) -> _UnwritableLog:
+        return self
+
+    def __getattr__(self, level: str) -> Any:
+        def write(*_: Any, **__: Any) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        return write
+
+
+async def test_a_log_that_cannot_be_written_changes_nothing() -> None:
+    """Every log line fails: the manager still pins, settles ``pinned``, moves a block
+    and closes in order. (A newcomer's trial: ``pin.started`` met a closed stdout, the
+    pipeline never settled ``pinned``, and the application waited without end.)"""
+    fake = FakeBackend()
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager(
+            4 << 20, backend=fake, chunk_bytes=1 << 20, logger=_UnwritableLog()
+        ) as mgr:
+            await mgr.pinned
+            address = mgr.host_view().data_ptr()
+            assert mgr.stats().chunks_pinned == 4
+    assert mgr.state is ManagerState.CLOSED
+    assert Counter(fake.unpinned_spans()) == Counter(fake.pinned_spans())
+    assert not is_mapped(address, 4 << 20)

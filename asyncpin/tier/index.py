@@ -27,6 +27,7 @@ from typing import Literal, TypeAlias, cast
 
 import structlog
 
+from asyncpin._log import ShieldedLog
 from asyncpin.errors import ConfigError, InvalidTransferError
 from asyncpin.tier.policies import EvictionPolicy, make_policy
 
@@ -34,7 +35,7 @@ __all__ = ["BlockEvent", "BlockHash", "BlockIndex", "IndexStats", "StorePlan"]
 
 BlockHash: TypeAlias = int | bytes
 
-_log = structlog.get_logger("asyncpin")
+_log = ShieldedLog(structlog.get_logger("asyncpin"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
+from asyncpin._log import ShieldedLog
 from asyncpin.errors import AsyncpinError, ConfigError
 
 __all__ = [
@@ -59,7 +60,7 @@ __all__ = [
     "fingerprint",
 ]
 
-_log = structlog.get_logger("asyncpin")
+_log = ShieldedLog(structlog.get_logger("asyncpin"))
 T = TypeVar("T")
 
 MAGIC = b"APKV"
