@@ -252,25 +252,26 @@ class _FetchSink:
 
     def reserve(self, block_hash: BlockHash) -> memoryview | None:
         plan = self._index.begin_store([block_hash])
-        if not plan.hashes:  # no room (or present meanwhile): the run ends here
+        if not plan.hashes:  # on the host, being stored by another, or no room
             self._index.end_store(plan, ok=False)
             return None
         self._part.append((block_hash, plan))
         view: memoryview = self._rows[plan.host_blocks[0]].numpy().data
         return view
 
-    def commit(self, valid: int) -> bool:
-        part, self._part = self._part, []
-        for i, (_, plan) in enumerate(part):
-            self._index.end_store(plan, ok=i < valid)  # not written back: it came from there
+    def commit(self, part: Sequence[BlockHash], valid: int) -> bool:
+        reserved, self._part = self._part, []
+        good = set(part[:valid])
+        for h, plan in reserved:
+            self._index.end_store(plan, ok=h in good)  # not written back: it came from there
+        self._remote.fetched(sum(1 for h, _ in reserved if h in good))
         ready: list[BlockHash] = []
-        for h, _ in part[:valid]:
-            if h not in self._index:  # removed while it was read
+        for h in part[:valid]:
+            if h not in self._index:  # no room for it, or another's store not over yet
                 break
             ready.append(h)
-        self._remote.fetched(len(ready))
         self._held.append((ready, self._index.begin_load(ready, touch=False)))
-        return len(ready) == valid and self._index.stats().removed_blocks == self._removed
+        return len(ready) == len(part) and self._index.stats().removed_blocks == self._removed
 
 
 class KVTier:
@@ -332,6 +333,16 @@ class KVTier:
         if self.remote is not None:
             if self._entered:
                 raise RuntimeError("a tier with a remote store is entered once")
+            if isinstance(self.remote.store, RedisStore):
+                import asyncio
+
+                try:
+                    asyncio.get_running_loop()
+                except RuntimeError:
+                    raise ConfigError(
+                        "RedisStore needs asyncio (redis-py's asyncio client): this event "
+                        "loop is not asyncio's"
+                    ) from None
             self._entered = True
             rows = self.manager.host_bytes()
             self._rows = rows

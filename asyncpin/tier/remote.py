@@ -54,7 +54,6 @@ __all__ = [
     "RemoteLink",
     "RemoteStats",
     "RemoteStore",
-    "check_read",
     "decode",
     "encode_header",
     "fingerprint",
@@ -171,7 +170,16 @@ class RedisStore:
         self._blocking_args = (url, options)
         self._blocking: Any = None
         self._blocking_lock = threading.Lock()
+        self._idle: list[Any] = []  # the direct reads' connections, not in use
         self._closed = False
+        if direct_reads:
+            try:  # an option the blocking client's connections refuse: now, not per read
+                self._idle.append(self._new_connection())
+            except (ValueError, TypeError):
+                raise ConfigError(
+                    f"an option for {self._where} that the direct reads' blocking client "
+                    "refuses: pass direct_reads=False"
+                ) from None
 
     def __repr__(self) -> str:
         return f"<RedisStore {self._where}{' cluster' if self.cluster else ''}>"
@@ -273,13 +281,8 @@ class RedisStore:
             with self._blocking_lock:
                 if self._closed:
                     raise ConnectionError("the store is closed")
-                if self._blocking is None:
-                    import redis
-
-                    url, options = self._blocking_args
-                    self._blocking = redis.Redis.from_url(url, **options)
-                pool = self._blocking.connection_pool
-            conn = _connection(pool, deadline, check_cancelled)
+                conn = self._idle.pop() if self._idle else self._new_connection()
+            _connect(conn, deadline, check_cancelled)
             try:
                 conn.send_packed_command(conn.pack_commands([("GET", key) for key in keys]))
                 sock = conn._sock
@@ -298,7 +301,11 @@ class RedisStore:
                 conn.disconnect()  # mid-reply: its next reader would read our bytes
                 raise
             finally:
-                pool.release(conn)
+                with self._blocking_lock:
+                    if self._closed:
+                        conn.disconnect()
+                    else:
+                        self._idle.append(conn)
             if error is not None:
                 said = error.decode(errors="replace")
                 failure = RemoteError(f"GET on {self._where} failed: {_redact(said)}")
@@ -317,10 +324,25 @@ class RedisStore:
                 failure = None
         return sizes
 
+    def _new_connection(self) -> Any:
+        """A connection of redis-py's (not connected yet) for the direct reads: made by
+        the pool of a blocking client of this store's URL and options, but kept in this
+        store's own list, so that one read's failure closes its connection alone."""
+        if self._blocking is None:
+            import redis
+
+            url, options = self._blocking_args
+            self._blocking = redis.Redis.from_url(url, **options)
+        return self._blocking.connection_pool.make_connection()
+
     async def aclose(self) -> None:
         with self._blocking_lock:
             self._closed = True
             blocking, self._blocking = self._blocking, None
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            with contextlib.suppress(Exception):
+                conn.disconnect()
         if blocking is not None:
             with contextlib.suppress(Exception):
                 await anyio.to_thread.run_sync(blocking.close)
@@ -511,26 +533,6 @@ def decode(value: bytes, *, nbytes: int, print_: bytes, digest: bytes) -> memory
     return payload
 
 
-def check_read(
-    size: int | None,
-    head: bytes | memoryview,
-    payload: memoryview,
-    *,
-    nbytes: int,
-    print_: bytes,
-    digest: bytes,
-) -> str | None:
-    """``decode`` for a value read in two places (``RedisStore.readinto``): its header in
-    ``head``, its payload in ``payload``; ``size`` is the value's length. None when it is
-    data; else why not (as ``decode``; ``missing`` for no value)."""
-    if size is None:
-        return "missing"
-    fault, crc = _header_fault(size, head, nbytes=nbytes, print_=print_, digest=digest)
-    if fault is None and zlib.crc32(payload) != crc:
-        fault = "checksum"
-    return fault
-
-
 # -- the link between a tier and its remote store ------------------------------------------
 
 
@@ -582,13 +584,15 @@ class HostSink(Protocol):
 
     def reserve(self, block_hash: int | bytes) -> memoryview | None:
         """A host block's memory for ``block_hash``'s payload, reserved (not loadable),
-        or None: no room (the run ends there). Called on the event loop."""
+        or None: it needs none (on the host already, or being stored by another) or
+        there is no room (``commit`` tells which). Called on the event loop."""
         ...
 
-    def commit(self, valid: int) -> bool:
-        """The leading ``valid`` values of the part are checked data in their blocks:
-        make them loadable, free every other block reserved for it. Returns whether to
-        read on. Called once per part, after its read is over, whatever happened."""
+    def commit(self, part: Sequence[int | bytes], valid: int) -> bool:
+        """The leading ``valid`` values of ``part`` are checked data: make the blocks
+        reserved for them loadable, free every other block reserved for it. Returns
+        whether to read on (every one of ``part`` is on the host now, as it was when the
+        run was found). Called once per part, after its read, whatever happened."""
         ...
 
 
@@ -954,7 +958,7 @@ class RemoteLink:
                 try:
                     valid = await self._read_part(part, sink)
                 finally:
-                    go_on = sink.commit(valid)
+                    go_on = sink.commit(part, valid)
                 found += valid
                 if valid < len(part) or not go_on:
                     break
@@ -984,10 +988,8 @@ class RemoteLink:
                 seen[i] = fault or "after the end"
                 return None
             block = anyio.from_thread.run_sync(sink.reserve, part[i])
-            if block is None:
-                ended = True
-                seen[i] = "room"
-                return None
+            if block is None:  # no block needed, or no room: checked in a spare all the same
+                block = memoryview(bytearray(self.nbytes))
             seen[i] = (block, crc)
             return block
 
@@ -1017,7 +1019,7 @@ class RemoteLink:
         finally:  # no frame a traceback keeps names a host block's memory
             seen.clear()
         self._ok()
-        if fault not in (None, "missing", "room", "after the end"):
+        if fault not in (None, "missing", "after the end"):
             assert fault is not None
             self._invalid[fault] = self._invalid.get(fault, 0) + 1
             _log.warning("tier.remote_invalid_value", reason=fault, store=repr(self.store))
@@ -1057,19 +1059,26 @@ def _remote_error(error: Exception, store: RemoteStore) -> RemoteError:
     return RemoteError(f"{store!r} raised {type(error).__name__}")
 
 
-def _connection(pool: Any, deadline: float, check_cancelled: Callable[[], None]) -> Any:
-    """``pool.get_connection()`` (redis-py's connect and handshake, which no deadline of
-    ours reaches: a server that drips its replies would hold it without end), made in a
-    thread of its own while this one looks at the deadline and ``check_cancelled`` every
-    ``_Wire.POLL_S``. Past them, the pool's connections in use are shut until that
-    thread gives up (its socket closed under it), then the error is raised."""
-    made: list[Any] = []
+def _connect(conn: Any, deadline: float, check_cancelled: Callable[[], None]) -> None:
+    """Connect ``conn`` (redis-py's connect and handshake, which no deadline of ours
+    reaches: a server that drips its replies would hold it without end; a no-op when it
+    is connected and has no stray bytes) in a thread of its own, while this one looks at
+    the deadline and ``check_cancelled`` every ``_Wire.POLL_S``. Past them, ``conn`` is
+    shut until that thread gives up (its socket closed under it), then the error is
+    raised."""
     failed: list[BaseException] = []
     over = threading.Event()
 
     def connect() -> None:
         try:
-            made.append(pool.get_connection())
+            if conn._sock is not None:
+                try:
+                    stale = conn.can_read(timeout=0)  # bytes nobody asked for: start over
+                except Exception:
+                    stale = True
+                if stale:
+                    conn.disconnect()
+            conn.connect()
         except BaseException as exc:
             failed.append(exc)
         finally:
@@ -1083,17 +1092,15 @@ def _connection(pool: Any, deadline: float, check_cancelled: Callable[[], None])
                 raise TimeoutError("connecting outlived 4 times the timeout")
     except BaseException:
         while not over.wait(_Wire.POLL_S):
-            pool.disconnect(inuse_connections=True)  # its socket, once it has one
-        for conn in made:
-            conn.disconnect()
-            pool.release(conn)
+            conn.disconnect()  # its socket, once it has one
+        conn.disconnect()
         raise
     if failed:
+        conn.disconnect()
         try:
             raise failed[0]
         finally:  # no cycle through this frame keeps the caller's frames alive
             failed.clear()
-    return made[0]
 
 
 def _body_of(
