@@ -212,11 +212,7 @@ class RedisStore:
         if not outcome:  # the task ended by a cancellation of the client's own
             raise RemoteError(f"{what} on {self._where} failed: the client cancelled the call")
         if isinstance(outcome[0], Exception):
-            exc = outcome.pop()
-            raise RemoteError(
-                f"{what} on {self._where} failed: {type(exc).__name__}"
-                + (f" ({_redact(str(exc))})" if str(exc) else "")
-            ) from None
+            raise self._failure(what, outcome.pop()) from None
         result: list[Any] = outcome[0]
         return result
 
@@ -310,10 +306,7 @@ class RedisStore:
                 said = error.decode(errors="replace")
                 failure = RemoteError(f"GET on {self._where} failed: {_redact(said)}")
         except Exception as exc:
-            failure = RemoteError(
-                f"GET on {self._where} failed: {type(exc).__name__}"
-                + (f" ({_redact(str(exc))})" if str(exc) else "")
-            )
+            failure = self._failure("GET", exc)
         if failure is not None:
             # Raised here, with no context, and the name dropped: the failed read's
             # traceback would keep its frames, and the host blocks' memory they name,
@@ -323,6 +316,12 @@ class RedisStore:
             finally:
                 failure = None
         return sizes
+
+    def _failure(self, what: str, exc: Exception) -> RemoteError:
+        """A failure of the client as a RemoteError naming the server, never its
+        credentials."""
+        said = f" ({_redact(str(exc))})" if str(exc) else ""
+        return RemoteError(f"{what} on {self._where} failed: {type(exc).__name__}{said}")
 
     def _new_connection(self) -> Any:
         """A connection of redis-py's (not connected yet) for the direct reads: made by
