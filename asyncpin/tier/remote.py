@@ -82,8 +82,10 @@ class RemoteStore(Protocol):
     Contract: every method is a coroutine of the event loop that entered the tier; a
     failure of the server raises :class:`RemoteError` (nothing else, cancellation
     aside) and leaves the store usable (it reconnects on a later call); ``get`` of a
-    missing key gives None; ``put`` may lose a value (the server evicts under memory
-    pressure): readers check every value. ``aclose`` releases the connections."""
+    missing key gives None, of a key that holds no value (another type of data) an
+    empty value, which readers count as invalid; ``put`` may lose a value (the server
+    evicts under memory pressure): readers check every value. ``aclose`` releases the
+    connections."""
 
     name: str
 
@@ -199,7 +201,11 @@ class RedisStore:
                 with anyio.fail_after(self._timeout_s * 4):  # connect, then read, per node
                     pipe = self._client.pipeline(transaction=False)
                     build(pipe)
-                    outcome.append(await pipe.execute(raise_on_error=True))
+                    results = await pipe.execute(raise_on_error=False)
+                    for result in results:
+                        if isinstance(result, Exception) and not _wrong_type(result):
+                            raise result
+                    outcome.append(results)
             except Exception as exc:
                 # The server's errors, and whatever else the client raises for them
                 # (redis-py 8.1's cluster pipeline raised AttributeError on a connection
@@ -224,7 +230,9 @@ class RedisStore:
             for key in keys:
                 pipe.get(key)
 
-        return await self._run("GET", build)
+        # A key holding another type of data (WRONGTYPE) reads as an empty value: not
+        # ours, a counted invalid value to the reader, not a failure of the server.
+        return [b"" if isinstance(v, Exception) else v for v in await self._run("GET", build)]
 
     async def put(self, items: Sequence[tuple[str, Sequence[bytes | memoryview]]]) -> None:
         if not items:
@@ -259,7 +267,8 @@ class RedisStore:
         no copy on the way: its first ``head_bytes`` into a buffer, then ``into(i, size,
         head)`` says where the rest goes (a memoryview, filled from its start; what does
         not fit, or all of it for None, is read and dropped). Returns each value's size,
-        None for a missing key. One pipeline, each socket wait bounded by ``timeout_s``
+        None for a missing key, 0 for one holding another type of data (``into`` is not
+        called). One pipeline, each socket wait bounded by ``timeout_s``
         and the whole by 4 times it; ``check_cancelled`` is called at least every 50 ms
         while waiting (it raises to stop). Any failure is a RemoteError; a connection
         left mid-reply is closed, never reused. A single node only (``direct_reads``).
@@ -288,7 +297,9 @@ class RedisStore:
                 error: bytes | None = None
                 for i in range(len(keys)):
                     got = wire.value_into(head, functools.partial(_body_of, into, i, head))
-                    if isinstance(got, bytes):
+                    if isinstance(got, bytes) and _wrong_type(got):
+                        sizes[i] = 0  # another type of data: an empty value, as get() says
+                    elif isinstance(got, bytes):
                         error = error or got
                     else:
                         sizes[i] = got
@@ -495,6 +506,12 @@ def hash_digest(block_hash: int | bytes) -> bytes:
 
 def encode_header(payload: bytes | memoryview, print_: bytes, digest: bytes) -> bytes:
     return _HEADER.pack(MAGIC, VERSION, len(payload), zlib.crc32(payload), print_, digest)
+
+
+def _wrong_type(error: Exception | bytes) -> bool:
+    """Whether a reply's error is about its key alone: it holds another type of data."""
+    said = error if isinstance(error, bytes) else str(error).encode(errors="replace")
+    return said.startswith(b"WRONGTYPE")
 
 
 def _header_fault(
