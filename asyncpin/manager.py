@@ -170,17 +170,25 @@ class OffloadManager:
         if not self._life.is_new:
             raise RuntimeError("an OffloadManager can be entered only once")
         t0 = time.perf_counter()
-        opened = await Opened.open(
-            self._config,
-            self._backend,
-            chunk_bytes=self._chunk_bytes,
-            gate=self._gate,
-            pinned=self._pinned,
-            tasks=self._tasks,
-            observers=self._observers,
-            log=self._log,
-            started_at=t0,
-        )
+        try:
+            opened = await Opened.open(
+                self._config,
+                self._backend,
+                chunk_bytes=self._chunk_bytes,
+                gate=self._gate,
+                pinned=self._pinned,
+                tasks=self._tasks,
+                observers=self._observers,
+                log=self._log,
+                started_at=t0,
+            )
+        except BaseException as exc:  # a cancellation included
+            # Nothing stays mapped (Opened.open released it); the manager is closed, and
+            # whoever awaits `pinned` learns why instead of waiting without end.
+            if isinstance(exc, Exception):
+                self._pinned.resolve(exc)
+            await self._life.aclose(self._close_in_order, self._never_opened, self._leaked)
+            raise
         if not self._life.is_new:
             # Closed by another task while this one waited: it must not open now.
             await opened.abandon()

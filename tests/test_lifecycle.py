@@ -369,6 +369,31 @@ class TestCancellation:
                 assert mgr.stats().pinned_bytes == NBYTES
         assert_closed_cleanly(mgr, fake, address, range(NCHUNKS))
 
+    async def test_failed_entry_settles_pinned_and_closes(self) -> None:
+        """An entry that fails (here: no shared region of that name to attach to) wakes
+        whoever awaits ``pinned`` with its error, and leaves the manager closed: a
+        readiness probe waiting on ``pinned`` must not wait without end."""
+        mgr = OffloadManager.attached(f"asyncpin-test-missing-{id(self)}", backend=FakeBackend())
+        seen: list[BaseException] = []
+
+        async def waiter() -> None:
+            try:
+                await mgr.pinned
+            except Exception as exc:
+                seen.append(exc)
+
+        with anyio.fail_after(TIMEOUT_S):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                await anyio.wait_all_tasks_blocked()
+                with pytest.raises(Exception) as entry:
+                    await mgr.__aenter__()
+        assert [type(e) for e in seen] == [type(entry.value)]
+        assert seen[0] is entry.value
+        assert mgr.state is ManagerState.CLOSED
+        with pytest.raises(RuntimeError, match="only once"):
+            await mgr.__aenter__()
+
     async def test_cancel_owner_while_a_pin_is_stalled(self) -> None:
         fake = FakeBackend(stall_pin_at=6)
         owner_scope = anyio.CancelScope()

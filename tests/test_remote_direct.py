@@ -8,6 +8,7 @@ client library's error is a miss, a run broken for want of room stops the fetch.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -20,8 +21,9 @@ import anyio.to_thread
 import pytest
 
 from asyncpin.testing import FakeBackend
-from asyncpin.tier import RedisStore, RemoteError
+from asyncpin.tier import KVTier, RedisStore, RemoteError
 from asyncpin.tier.remote import HEADER_BYTES, _Wire
+from tests.helpers import wait_thread_event
 from tests.redis_servers import RedisServer
 from tests.test_remote_tier import (
     BLOCKS,
@@ -524,15 +526,47 @@ async def test_a_handshake_that_never_ends_is_bounded(stop_by: str) -> None:
         server.close()
 
 
+async def cancelled_while_reading(
+    tier: KVTier, how: str, hashes: list[int], device_blocks: list[int]
+) -> None:
+    """A restore of ``hashes`` cancelled once its direct read has begun: by an anyio
+    scope (``cancelled``) or by asyncio's own ``Task.cancel`` (``asyncio-cancel``)."""
+    store = tier.remote.store if tier.remote is not None else None
+    assert isinstance(store, RedisStore)
+    reading = threading.Event()
+    real = store.readinto
+
+    def read(keys: Any, into: Any, **kwargs: Any) -> list[int | None]:
+        reading.set()
+        return real(keys, into, **kwargs)
+
+    store.readinto = read  # type: ignore[method-assign]
+    try:
+        if how == "cancelled":
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(tier.restore, hashes, device_blocks)
+                await wait_thread_event(reading)
+                tg.cancel_scope.cancel()
+        else:
+            task = asyncio.ensure_future(tier.restore(hashes, device_blocks))
+            await wait_thread_event(reading)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    finally:
+        store.readinto = real  # type: ignore[method-assign]
+
+
 @pytest.mark.redis
-@pytest.mark.parametrize("fault", ["killed", "paused"])
+@pytest.mark.parametrize("fault", ["killed", "paused", "cancelled", "asyncio-cancel"])
 async def test_a_failed_direct_read_keeps_no_host_memory_alive(
     fault: str, redis_server: RedisServer, redis_keyspace: str
 ) -> None:
-    """The server dies, or stops answering mid-read; the direct fetch fails; with the
+    """The server dies, or stops answering mid-read, or the restore is cancelled (by an
+    anyio scope, or asyncio's own ``Task.cancel``) while a read waits on it; with the
     cycle collector off, leaving the manager unmaps its region at once (review: the
     error's traceback and anyio's future formed cycles that kept the host blocks' views
-    alive: ``region.kept_by_views``)."""
+    alive: ``region.kept_by_views``; a newcomer's trial: the cancellation's too)."""
     import gc
 
     import structlog
@@ -553,11 +587,14 @@ async def test_a_failed_direct_read_keeps_no_host_memory_alive(
                     tier.clear()
                     redis_server.pause()
                 try:
-                    assert await tier.restore([1, 2, 3], [0, 1, 2]) == 0
+                    if fault in ("cancelled", "asyncio-cancel"):
+                        await cancelled_while_reading(tier, fault, [1, 2, 3], [0, 1, 2])
+                    else:
+                        assert await tier.restore([1, 2, 3], [0, 1, 2]) == 0
                 finally:
                     redis_server.reset()
                 remote = tier.stats().remote
-                assert remote is not None and remote.degraded
+                assert remote is not None and remote.degraded == (fault in ("killed", "paused"))
     finally:
         gc.enable()
     names = [event["event"] for event in events]

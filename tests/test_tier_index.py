@@ -554,6 +554,30 @@ def test_remove_during_a_store_frees_the_block_when_the_copy_ends(policy: str, o
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_end_load_once_per_load(policy: str) -> None:
+    """A second end_load of one load, one never begun, or a wrong block is a
+    RuntimeError that changes nothing: a block another load is reading stays protected
+    (a duplicate end used to let the next store evict it and write over it)."""
+    index, _ = fresh(2, policy)
+    stored(index, [1, 2])
+    index.end_load([1], index.begin_load([1]))
+    reading = index.begin_load([1])  # a load in flight on host block `reading[0]`
+    for hashes, blocks in (([1, 1], reading * 2), ([2], [1]), ([1], [reading[0] + 7])):
+        with pytest.raises(RuntimeError, match="no load under way"):
+            index.end_load(hashes, blocks)
+    plan = index.begin_store([3, 4])  # one block may go; the one being read may not
+    assert reading[0] not in plan.host_blocks and plan.skipped == (4,)
+    index.end_store(plan, ok=True)
+    index.end_load([1], reading)
+    removed = index.begin_load([1])
+    index.remove([1])  # the block drains with the load
+    with pytest.raises(RuntimeError, match="no load under way"):
+        index.end_load([1, 1], removed * 2)
+    index.end_load([1], removed)
+    assert index.stats().free_blocks == 1
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_remove_during_a_load_frees_the_block_after_end_load(policy: str) -> None:
     index, events = fresh(1, policy)
     stored(index, [1])

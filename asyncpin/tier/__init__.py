@@ -40,6 +40,8 @@ from asyncpin.tier.remote import (
 )
 
 if TYPE_CHECKING:  # torch: a process with the index alone never imports it
+    import torch
+
     from asyncpin.manager import OffloadManager
     from asyncpin.transfers import BlockIds, Method, Transfer
 
@@ -244,7 +246,7 @@ class _FetchSink:
         removed: int,
     ) -> None:
         self._index = tier.index
-        self._rows = tier.manager.host_bytes()
+        self._rows: torch.Tensor | None = tier.manager.host_bytes()
         self._remote = remote
         self._held = held
         self._removed = removed  # the index's removals when the run was found
@@ -256,8 +258,16 @@ class _FetchSink:
             self._index.end_store(plan, ok=False)
             return None
         self._part.append((block_hash, plan))
+        if self._rows is None:
+            raise RuntimeError("the restore this fetch was for is over")
         view: memoryview = self._rows[plan.host_blocks[0]].numpy().data
         return view
+
+    def close(self) -> None:
+        """The restore is over: the sink names the host memory no longer. (A cancelled
+        restore's frames stay in reference cycles of asyncio's own until a collection;
+        they must not keep the region mapped meanwhile.)"""
+        self._rows = None
 
     def commit(self, part: Sequence[BlockHash], valid: int) -> bool:
         reserved, self._part = self._part, []
@@ -650,7 +660,10 @@ class KVTier:
                     end += 1
                 if remote.direct:  # read straight into host blocks
                     sink = _FetchSink(self, remote, held, removed)
-                    await remote.fetch_direct(keys[n:end], sink)
+                    try:
+                        await remote.fetch_direct(keys[n:end], sink)
+                    finally:
+                        sink.close()
                 else:  # each part goes into host blocks while the next is read
                     await remote.fetch_into(keys[n:end], into)
                 n = self.index.lookup(keys)

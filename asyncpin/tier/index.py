@@ -21,6 +21,7 @@ copy still uses). The life of a block:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias, cast
@@ -309,8 +310,27 @@ class BlockIndex:
         return [entry.host_block for _, entry in entries]
 
     def end_load(self, hashes: Sequence[BlockHash], host_blocks: Sequence[int]) -> None:
-        """A load of ``begin_load(hashes)`` is over (done, failed or cancelled)."""
-        for h, block in zip(hashes, host_blocks, strict=True):
+        """A load of ``begin_load(hashes)`` is over (done, failed or cancelled). Once per
+        load: RuntimeError, nothing changed, for blocks no load under way holds (ended
+        already, or never begun); a second end would let a block that another load is
+        reading be evicted and written over."""
+        pairs = list(zip(hashes, host_blocks, strict=True))
+        readers: Counter[tuple[BlockHash, int]] = Counter()
+        draining: Counter[int] = Counter()
+        for h, block in pairs:
+            entry = self._entries.get(h)
+            if entry is not None and entry.host_block == block:
+                readers[h, block] += 1
+                held = entry.readers >= readers[h, block]
+            else:
+                draining[block] += 1
+                held = self._draining.get(block, 0) >= draining[block]
+            if not held:
+                raise RuntimeError(
+                    f"end_load of block hash {h!r} in host block {block!r}: no load under "
+                    "way holds it (ended already?)"
+                )
+        for h, block in pairs:
             entry = self._entries.get(h)
             if entry is not None and entry.host_block == block:
                 entry.readers -= 1

@@ -1143,6 +1143,10 @@ async def _thread_to_the_end(fn: Callable[[], T], limiter: anyio.CapacityLimiter
             # Without the thread's traceback: anyio's future holds the exception, whose
             # traceback holds the frames that hold the future (and what ``fn`` used).
             failed.append(exc.with_traceback(None))
+        except BaseException as exc:
+            # A cancellation raised in the thread (``check_cancelled``) goes on as
+            # itself, but without the thread's frames, for the same reason.
+            raise exc.with_traceback(None) from None
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(run)
