@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import signal
 import sys
@@ -241,7 +242,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
     from asyncpin import doctor
 
     checks = doctor.run_checks(args.size, backend=args.backend, backing=args.backing)
-    print(doctor.render(checks, as_json=args.json))
+    print(doctor.render(checks, as_json=args.json), file=stdout, flush=True)
     return EXIT_ERROR if doctor.worst(checks) == "fail" else 0
 
 
@@ -265,6 +266,54 @@ def configure_logging(*, verbose: bool, stream: TextIO) -> None:
 
 
 # -- output ---------------------------------------------------------------------------------
+
+
+class _Stdout:
+    """``sys.stdout`` for the commands' output, where a reader that went away (``| head``,
+    a full disk) is not the command's failure: from the first write that fails, output
+    goes to /dev/null (the descriptor too, so that the interpreter's last flush does not
+    fail either) and the command goes on; its exit status says how its work went."""
+
+    def __init__(self) -> None:
+        self.gone = False
+
+    def _gone(self) -> None:
+        self.gone = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):  # no descriptor to swap: the writes are dropped here
+            pass
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                return sys.stdout.write(text)
+            except OSError:
+                self._gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                sys.stdout.flush()
+            except OSError:
+                self._gone()
+
+    def isatty(self) -> bool:
+        return not self.gone and sys.stdout.isatty()
+
+    def fileno(self) -> int:
+        return sys.stdout.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return sys.stdout.encoding or "utf-8"
+
+
+#: What the demo and the doctor print their output to.
+stdout = _Stdout()
 
 
 def plain_table(title: str, header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:

@@ -23,7 +23,7 @@ from anyio import CancelScope
 from asyncpin import _sys
 from asyncpin._config import default_chunk_bytes
 from asyncpin.backends import PinBackend, resolve_backend
-from asyncpin.cli import EXIT_ERROR, PROG, default_nbytes, format_bytes, plain_table
+from asyncpin.cli import EXIT_ERROR, PROG, default_nbytes, format_bytes, plain_table, stdout
 from asyncpin.manager import OffloadManager
 from asyncpin.signals import SignalGuard
 from asyncpin.stats import ManagerStats
@@ -110,7 +110,7 @@ def _rich_console() -> Any:
         from rich.console import Console
     except ImportError:
         return None
-    return Console(highlight=False)
+    return Console(highlight=False, file=stdout)  # type: ignore[arg-type]
 
 
 class _Report:
@@ -129,7 +129,7 @@ class _Report:
         if self.as_json:
             return
         if self._console is None:
-            print("".join(text for text, _style in segments), flush=True)
+            print("".join(text for text, _style in segments), file=stdout, flush=True)
             return
         from rich.text import Text
 
@@ -179,11 +179,11 @@ class _Report:
                 "pinned_over_enter": ratio,
                 "vm_locked_bytes_after_close": locked_after,
             }
-            print(json.dumps(doc, indent=2))
+            print(json.dumps(doc, indent=2), file=stdout, flush=True)
             return
         rows = list(_rows(final, pinned, ratio, locked_after))
         if self._console is None:
-            print(plain_table("asyncpin demo", ("figure", "value"), rows))
+            print(plain_table("asyncpin demo", ("figure", "value"), rows), file=stdout, flush=True)
             return
         from rich.table import Table
 
@@ -242,6 +242,7 @@ class _ProgressContext:
             self._tenths = tenths
             print(
                 f"pinning: {tenths * 10}% ({format_bytes(done)} of {format_bytes(self._nbytes)})",
+                file=stdout,
                 flush=True,
             )
 

@@ -83,6 +83,51 @@ class TestDemoPinsAndCloses:
         assert not (Path("/dev/shm") / shm_name).exists()
 
 
+def closed_stdout(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m asyncpin ARGS`` whose stdout is a pipe nobody reads (``| head -0``):
+    every write to it fails (EPIPE)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "asyncpin", *args],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+            cwd=REPO,
+            timeout=TIMEOUT_S,
+        )
+    finally:
+        os.close(write_end)
+
+
+class TestOutputReaderGone:
+    """A reader of stdout that went away (``| head``) is not the command's failure: it
+    exits as it would have, with no traceback, and the demo still closes in order."""
+
+    @pytest.mark.parametrize("output", ["table", "json"])
+    def test_demo(self, output: str, shm_name: str) -> None:
+        args = ["demo", "--size", "16MiB", "--backend", "host", "--backing", "shared"]
+        args += ["--name", shm_name, *(["--json"] if output == "json" else [])]
+        proc = closed_stdout(*args)
+        assert (proc.returncode, proc.stderr) == (0, "")
+        assert not (Path("/dev/shm") / shm_name).exists()
+
+    def test_doctor(self) -> None:
+        normal = subprocess.run(
+            [sys.executable, "-m", "asyncpin", "doctor", "--size", "16MiB"],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            cwd=REPO,
+            timeout=TIMEOUT_S,
+        )
+        proc = closed_stdout("doctor", "--size", "16MiB")
+        assert "Traceback" not in proc.stderr
+        assert proc.returncode == normal.returncode
+
+
 class TestDemoErrors:
     """Bad input and unavailable backends exit non-zero with one line on stderr."""
 
