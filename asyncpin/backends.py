@@ -9,6 +9,7 @@ that a machine with no GPU never initialises CUDA.
 from __future__ import annotations
 
 import inspect
+import operator
 
 from asyncpin import _sys
 from asyncpin.abc import PinBackend
@@ -83,7 +84,18 @@ def registers_with_cuda(backend: object) -> bool:
 
 
 def resolve_backend(backend: str | PinBackend, device: int | None = None) -> PinBackend:
-    """Turn a name (``auto``, ``host``, ``cuda``) or a backend instance into a backend."""
+    """Turn a name (``auto``, ``host``, ``cuda``) or a backend instance into a backend.
+    ``device``: None (the current one) or a device index, whatever the backend."""
+    if device is not None:
+        try:
+            index = -1 if isinstance(device, bool) else operator.index(device)
+        except TypeError:
+            index = -1
+        if index < 0:
+            raise ConfigError(
+                f"device must be None or a device index (an int >= 0), got {device!r}"
+            )
+        device = index
     if not isinstance(backend, str):
         if not isinstance(backend, PinBackend):
             raise ConfigError(f"backend {backend!r} does not implement PinBackend")

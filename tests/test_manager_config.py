@@ -141,6 +141,21 @@ class TestBackend:
         assert "is_available" in info.value.reason
         assert isinstance(info.value, RuntimeError)
 
+    @pytest.mark.parametrize("device", ["x", "cuda:0", -1, 1.5, True])
+    @pytest.mark.parametrize("backend", ["host", "auto", "instance"])
+    async def test_device_that_is_no_index(self, device: object, backend: str) -> None:
+        """Whatever the backend: a device is None or an index (found by a newcomer's
+        trial: the host backend took any value)."""
+        chosen: object = HostBackend() if backend == "instance" else backend
+        with refused(ConfigError, "device must be None or a device index", repr(device)):
+            await open_manager(MIB, backend=chosen, device=device)
+
+    def test_a_numpy_device_index_is_an_index(self) -> None:
+        import numpy as np
+
+        device: Any = np.int64(0)
+        assert isinstance(OffloadManager(MIB, backend="host", device=device).backend, HostBackend)
+
     def test_auto_without_gpu_is_the_host_backend(self) -> None:
         if torch.cuda.is_available():
             pytest.skip("this machine has a GPU")

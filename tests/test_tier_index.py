@@ -474,6 +474,20 @@ def test_bad_hash_refused_with_nothing_changed(policy: str, bad: object) -> None
     assert plan.skipped == () and plan.hashes == (2, 3)
 
 
+@pytest.mark.parametrize("hashes", [None, 7, b"\x01\x02", "ab", bytearray(b"\x01")], ids=repr)
+@pytest.mark.parametrize("call", ["begin_store", "begin_load", "lookup", "touch", "remove"])
+def test_hashes_that_are_no_sequence_of_hashes_are_refused(call: str, hashes: object) -> None:
+    """Not an iterable, or a single bytes (which would be taken for its bytes' ints, one
+    hash each): InvalidTransferError, nothing changed (a newcomer's trial: lookup(None)
+    raised a bare TypeError)."""
+    index, events = fresh(4)
+    stored(index, [1, 2])
+    before = index.stats()
+    with pytest.raises(InvalidTransferError, match="a sequence of ints or bytes"):
+        getattr(index, call)(hashes)
+    assert index.stats() == before and events == [("stored", 1, 0), ("stored", 2, 1)]
+
+
 @pytest.mark.parametrize("call", ["remove", "touch"])
 def test_bad_hash_after_good_ones_changes_nothing(call: str) -> None:
     index, events = fresh(2)

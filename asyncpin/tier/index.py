@@ -389,6 +389,11 @@ class BlockIndex:
 
 def _all_checked(hashes: Iterable[object]) -> list[BlockHash]:
     """Every hash checked before any is used: a bad one changes nothing."""
+    if isinstance(hashes, (str, bytes, bytearray, memoryview)) or not isinstance(hashes, Iterable):
+        # bytes would be taken for the ints of its bytes, one hash each.
+        raise InvalidTransferError(
+            f"block hashes are a sequence of ints or bytes, not {type(hashes).__name__}"
+        )
     return [_checked(h) for h in hashes]
 
 
