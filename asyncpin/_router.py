@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast, get_args
 
 import anyio
 
@@ -32,6 +32,8 @@ from asyncpin.transfers import (
     block_ids,
     interrupted,
 )
+
+METHODS: tuple[str, ...] = get_args(Method)
 
 __all__ = ["TransferCounts", "TransferRouter"]
 
@@ -78,6 +80,7 @@ class TransferRouter:
         self._start_soon = start_soon
         self._observers = observers
         self._log = log
+        self._fallbacks_logged: set[object] = set()
         self.counts = TransferCounts()
         self.in_flight: set[Transfer] = set()
         self._idle = anyio.Event()
@@ -199,7 +202,7 @@ class TransferRouter:
                 f"{'cpu' if direction == 'store' else 'gpu'}_block_ids has duplicate "
                 "destinations: the result would depend on copy order"
             )
-        self.check_method(method)
+        method = self.check_method(method)
         transfer = Transfer(direction, len(gpu), len(gpu) * nbytes)
         return TransferJob(transfer, gpu, cpu, method, arrays, on_finish=_settle)
 
@@ -208,11 +211,24 @@ class TransferRouter:
         size, stride, offset = self.layout.host_block_bytes, self._stride, self._offset
         return ((c * stride + offset, size) for c in cpu_ids)
 
-    def check_method(self, method: object) -> None:
-        if method != "auto" and method not in self.engine.methods():
-            raise InvalidTransferError(
-                f"method {method!r} is not available here; use one of {self.engine.methods()}"
+    def check_method(self, method: object) -> Method:
+        """The method a transfer asking for ``method`` runs with: itself where the engine
+        has it, else ``auto`` (an engine without it: the host engine, or a CUDA engine
+        without Triton; logged once a method), so that code naming a method runs on any
+        machine. InvalidTransferError for a name that is no method."""
+        if method not in METHODS:
+            raise InvalidTransferError(f"method {method!r} is no method; use one of {METHODS}")
+        if method == "auto" or method in self.engine.methods():
+            return cast(Method, method)
+        if method not in self._fallbacks_logged:
+            self._fallbacks_logged.add(method)
+            self._log.warning(
+                "transfer.method_fallback",
+                requested=method,
+                fallback="auto",
+                reason=f"this engine runs {', '.join(self.engine.methods())}",
             )
+        return "auto"
 
     def _track(self, transfer: Transfer) -> None:
         if transfer.direction == "store":

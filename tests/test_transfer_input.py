@@ -22,6 +22,7 @@ import anyio.from_thread
 import anyio.to_thread
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from asyncpin import (
     ConfigError,
@@ -131,13 +132,13 @@ class TestBadTransferInput:
                 await anyio.wait_all_tasks_blocked()
                 model.check()  # nothing moved
 
-    @pytest.mark.parametrize("method", ["bogus", "batch", "kernel", ""])
+    @pytest.mark.parametrize("method", ["bogus", "Pack", "", None, 3])
     async def test_unknown_method(self, method: str, gen: torch.Generator) -> None:
         layout = small_kv(gen)
         with anyio.fail_after(TIMEOUT_S):
             async with small_manager(layout, FakeBackend()) as mgr:
                 before = transfer_counters(mgr.stats())
-                bad: Any = method  # not a Method literal, or one the host engine lacks
+                bad: Any = method  # not a Method literal
                 calls: list[Callable[[], Transfer]] = [
                     lambda: mgr.store([0], [0], method=bad),
                     lambda: mgr.load([0], [0], method=bad),
@@ -148,6 +149,25 @@ class TestBadTransferInput:
                 assert transfer_counters(mgr.stats()) == before
                 await mgr.store([0], [0], method="host")
                 await mgr.load([0], [1], method="auto")
+
+    @pytest.mark.parametrize("method", ["batch", "pack", "kernel"])
+    async def test_a_method_the_engine_lacks_runs_as_auto(
+        self, method: str, gen: torch.Generator
+    ) -> None:
+        """The CUDA engine's methods on the host engine run as its own, logged once, so
+        that code naming a method runs on a machine without a GPU (a newcomer's trial:
+        they were refused there alone)."""
+        layout = small_kv(gen)
+        with anyio.fail_after(TIMEOUT_S), capture_logs() as logs:
+            async with small_manager(layout, FakeBackend()) as mgr:
+                stored = mgr.store([0], [0], method=method)  # type: ignore[arg-type]
+                await stored
+                loaded = mgr.load([0], [1], method=method)  # type: ignore[arg-type]
+                await loaded
+                assert stored.method == loaded.method == "host"
+                assert torch.equal(layout.byte_arrays()[0][1], layout.byte_arrays()[0][0])
+        fallbacks = [e for e in logs if e["event"] == "transfer.method_fallback"]
+        assert [(e["requested"], e["fallback"]) for e in fallbacks] == [(method, "auto")]
 
     async def test_ids_too_large_for_int64_are_refused(self, gen: torch.Generator) -> None:
         layout = small_kv(gen)
