@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -74,9 +75,15 @@ def _is_int(value: Any) -> bool:
 
 
 def check_num_host_blocks(value: Any) -> int:
-    if not _is_int(value) or value < 1:
+    """``value`` as an int (any integer type, NumPy's too, as block ids take them; never a
+    bool), or ConfigError."""
+    try:
+        blocks = -1 if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        blocks = -1
+    if blocks < 1:
         raise ConfigError(f"num_host_blocks must be an int >= 1, got {value!r}")
-    return int(value)
+    return blocks
 
 
 def _check_threads(knob: str, value: Any) -> int:

@@ -135,7 +135,7 @@ class OffloadManager:
         (tensor-parallel ranks' slices of the same KV blocks, say), host block ``c`` of
         every rank side by side, and this manager moves rank ``rank``'s part. The other
         ranks attach (``OffloadManager.attached``) with their own ``host_slice``."""
-        check_num_host_blocks(num_host_blocks)
+        num_host_blocks = check_num_host_blocks(num_host_blocks)
         ranks = check_host_slice(kwargs.get("host_slice"))[1]
         if layout.device.type == "cuda":
             # Pinned for the GPU the blocks move to, whichever device is current.

@@ -127,6 +127,17 @@ class TestBadLayout:
         with pytest.raises(ConfigError, match="num_host_blocks"):
             OffloadManager.for_kv(layout, num_host_blocks, backend=FakeBackend())
 
+    async def test_for_kv_takes_numpy_and_torch_integers(self) -> None:
+        """Any integer type counts as blocks (a newcomer's trial: np.int64(4) was refused
+        as 'must be an int', although block ids take NumPy's)."""
+        import numpy as np
+
+        layout = KVLayout.from_tensors(_tensors_of((4, 8)))
+        integers: list[Any] = [np.int64(4), np.uint16(4), torch.tensor(4)]
+        for blocks in integers:
+            async with OffloadManager.for_kv(layout, blocks, backend=FakeBackend()) as mgr:
+                assert mgr.num_host_blocks == 4 and type(mgr.num_host_blocks) is int
+
     def test_kv_layout_and_num_host_blocks_go_together(self) -> None:
         layout = KVLayout.from_tensors(_tensors_of((4, 8)))
         with pytest.raises(ConfigError, match="together"):
