@@ -282,14 +282,13 @@ class HostRegion:
         """A uint8 tensor over ``[offset, offset + nbytes)``. It (and every tensor made
         from it) keeps that memory mapped while it lives, past :meth:`release` too."""
         self._check_open()
+        for name, value in (("offset", offset), ("nbytes", nbytes)):
+            if isinstance(value, bool) or not isinstance(value, int | None):
+                raise ConfigError(f"a view's {name} is an int, not {value!r}")
         if nbytes is None:
             nbytes = self.nbytes - offset
         if (
-            isinstance(offset, bool)
-            or not isinstance(offset, int)
-            or isinstance(nbytes, bool)
-            or not isinstance(nbytes, int)
-            or offset < 0
+            offset < 0
             or nbytes <= 0
             or offset + nbytes > self.nbytes
         ):

@@ -204,6 +204,19 @@ class TestView:
         finally:
             region.release()
 
+    @pytest.mark.parametrize(
+        ("offset", "nbytes"), [("0", None), ("0", 1), (0.5, 1), (0, 1.0), (True, 1), (0, False)]
+    )
+    def test_view_of_what_is_no_int_is_config_error(self, offset: Any, nbytes: Any) -> None:
+        """A newcomer's trial: host_view('0') raised a bare TypeError, host_view(0.5, 1)
+        said the view was outside the region."""
+        region = HostRegion.create(2 * PAGE)
+        try:
+            with pytest.raises(ConfigError, match="is an int, not"):
+                region.view(offset, nbytes)
+        finally:
+            region.release()
+
     def test_view_after_release_is_refused(self) -> None:
         region = HostRegion.create(PAGE)
         region.release()
