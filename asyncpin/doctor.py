@@ -152,7 +152,17 @@ def run_checks(
     backing: Literal["anonymous", "shared"] = "anonymous",
 ) -> list[Check]:
     """Check the machine for a buffer of ``nbytes`` (default: the demo's size) pinned by
-    ``backend`` over a ``backing`` region. Never raises for what it finds."""
+    ``backend`` over a ``backing`` region. Never raises for what it finds; ConfigError
+    for arguments out of range (checked as a manager checks them)."""
+    from asyncpin.backends import BACKEND_NAMES
+    from asyncpin.errors import ConfigError
+    from asyncpin.region import validate_backing, validate_nbytes
+
+    if nbytes is not None:
+        validate_nbytes(nbytes)
+    validate_backing(backing)
+    if backend not in BACKEND_NAMES:
+        raise ConfigError(f"unknown backend {backend!r}: use one of {', '.join(BACKEND_NAMES)}")
     mem = _read_meminfo()
     cgroup = _cgroup()
     cuda = _cuda()

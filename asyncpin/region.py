@@ -287,11 +287,7 @@ class HostRegion:
                 raise ConfigError(f"a view's {name} is an int, not {value!r}")
         if nbytes is None:
             nbytes = self.nbytes - offset
-        if (
-            offset < 0
-            or nbytes <= 0
-            or offset + nbytes > self.nbytes
-        ):
+        if offset < 0 or nbytes <= 0 or offset + nbytes > self.nbytes:
             if isinstance(nbytes, int) and nbytes <= 0:
                 raise ConfigError(f"a view needs a positive length, not nbytes={nbytes}")
             raise ConfigError(

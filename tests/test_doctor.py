@@ -423,3 +423,16 @@ class TestStaleRegions:
         assert check.status == "warn"
         assert "kv-a" in check.value and "kv-b" in check.value
         assert "reclaims" in check.advice and "unlink_stale" in check.advice
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"nbytes": 0}, {"nbytes": -5}, {"nbytes": 1.5}, {"backend": "x"}, {"backing": "x"}],
+    ids=repr,
+)
+def test_run_checks_refuses_arguments_a_manager_refuses(kwargs: dict[str, Any]) -> None:
+    """A newcomer's trial: run_checks(nbytes=0) or backend='x' returned passing checks."""
+    from asyncpin import ConfigError
+
+    with pytest.raises(ConfigError):
+        doctor.run_checks(**kwargs)
