@@ -637,7 +637,8 @@ def _print(result: dict[str, Any]) -> None:
     full, restored, kept = (ttft[k] * 1e3 for k in ("full", "restored", "kept"))
     print(
         f"  TTFT: full prefill {full:.1f} ms, restored from host {restored:.1f} ms, "
-        f"kept on GPU {kept:.1f} ms"
+        f"kept on {'the GPU' if result['device'].startswith('cuda') else 'the device (CPU)'} "
+        f"{kept:.1f} ms"
     )
 
 
