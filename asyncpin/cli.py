@@ -29,7 +29,7 @@ import re
 import signal
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from typing import NoReturn, TextIO
+from typing import NoReturn, TextIO, cast
 
 import structlog
 
@@ -286,10 +286,17 @@ class _Stdout:
         except (OSError, ValueError):  # no descriptor to swap: the writes are dropped here
             pass
 
+    @staticmethod
+    def _target() -> TextIO:
+        # rich's live display puts a proxy of its console in sys.stdout, which writes to
+        # the console, whose file is this: write past it, or each write calls itself.
+        out = sys.stdout
+        return cast(TextIO, getattr(out, "rich_proxied_file", out))
+
     def write(self, text: str) -> int:
         if not self.gone:
             try:
-                return sys.stdout.write(text)
+                return self._target().write(text)
             except OSError:
                 self._gone()
         return len(text)
@@ -297,7 +304,7 @@ class _Stdout:
     def flush(self) -> None:
         if not self.gone:
             try:
-                sys.stdout.flush()
+                self._target().flush()
             except OSError:
                 self._gone()
 
