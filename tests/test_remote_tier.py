@@ -125,6 +125,40 @@ async def test_a_forgotten_prefix_comes_back_from_the_server(
             assert not remote.degraded and tier.lookup(hashes) == 12  # on the host again
 
 
+@pytest.mark.parametrize("reads", ["default", "copied"])
+@pytest.mark.parametrize("kind", ["node", "cluster"])
+async def test_connections_the_servers_closed_are_made_again(
+    kind: str,
+    reads: str,
+    redis_server: RedisServer,
+    redis_cluster: RedisCluster,
+    redis_keyspace: str,
+) -> None:
+    """Between two restores every server closes its clients' connections (CLIENT KILL:
+    as an idle timeout, a proxy or a restart would): the second restore reconnects and
+    reads everything, the tier never degraded (review: with per-key error results the
+    cluster's pipeline gave the closed connection as a result and did not retry)."""
+    url = redis_server.url if kind == "node" else redis_cluster.url
+    nodes = [redis_server] if kind == "node" else redis_cluster.nodes
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(
+            url,
+            redis_keyspace,
+            cluster=kind == "cluster",
+            direct_reads=None if reads == "default" else False,
+        ) as (tier, layout):
+            hashes = list(range(1100, 1112))
+            kept = await stored_and_forgotten(tier, layout, hashes)
+            assert await tier.restore(hashes, list(range(16, 28))) == 12
+            tier.clear()
+            for node in nodes:
+                node.command("CLIENT", "KILL", "TYPE", "normal")
+            assert await tier.restore(hashes, list(range(16, 28))) == 12
+            assert same(layout, list(range(16, 28)), kept)
+            remote = tier.stats().remote
+            assert remote is not None and not remote.degraded and remote.errors == 0
+
+
 async def test_two_servers_share_prefixes(redis_server: RedisServer, redis_keyspace: str) -> None:
     """One server's tier writes a prompt's blocks; another's (its own manager, its own
     device arrays) restores them."""

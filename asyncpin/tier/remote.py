@@ -32,6 +32,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import re
 import struct
 import threading
 import time
@@ -124,6 +125,9 @@ class RedisStore:
         try:
             import redis.asyncio
             import redis.asyncio.cluster
+            import redis.asyncio.retry
+            import redis.backoff
+            import redis.exceptions
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise ImportError("RedisStore needs redis-py: pip install 'asyncpin[remote]'") from exc
         if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or timeout_s <= 0:
@@ -146,7 +150,13 @@ class RedisStore:
             if cluster:
                 self._client: Any = redis.asyncio.cluster.RedisCluster.from_url(url, **options)
             else:
-                self._client = redis.asyncio.Redis.from_url(url, **options)
+                # A connection the server closed (its idle timeout, a restart) is made
+                # again once, at once: a client made from a URL does not retry at all.
+                # (The cluster's client retries by itself.)
+                retry = redis.asyncio.retry.Retry(
+                    redis.backoff.NoBackoff(), 1, (redis.exceptions.ConnectionError,)
+                )
+                self._client = redis.asyncio.Redis.from_url(url, **{"retry": retry, **options})
         except (ValueError, TypeError):
             raise ConfigError(f"not a usable Redis URL or option for {self._where}") from None
         self.cluster = cluster
@@ -196,16 +206,28 @@ class RedisStore:
         of the caller. A cancellation of the caller goes on as itself."""
         outcome: list[Any] = []
 
+        from redis.exceptions import ResponseError
+
         async def call() -> None:
             try:
                 with anyio.fail_after(self._timeout_s * 4):  # connect, then read, per node
                     pipe = self._client.pipeline(transaction=False)
                     build(pipe)
-                    results = await pipe.execute(raise_on_error=False)
-                    for result in results:
-                        if isinstance(result, Exception) and not _wrong_type(result):
-                            raise result
-                    outcome.append(results)
+                    try:
+                        outcome.append(await pipe.execute(raise_on_error=True))
+                    except ResponseError as exc:
+                        if not _wrong_type(exc):
+                            raise
+                        # A key holds another type of data: again, each key's error in
+                        # its place. (Not the first time: the cluster's pipeline would
+                        # then give connection errors as results too, and not retry.)
+                        pipe = self._client.pipeline(transaction=False)
+                        build(pipe)
+                        results = await pipe.execute(raise_on_error=False)
+                        for result in results:
+                            if isinstance(result, Exception) and not _wrong_type(result):
+                                raise result from None
+                        outcome.append(results)
             except Exception as exc:
                 # The server's errors, and whatever else the client raises for them
                 # (redis-py 8.1's cluster pipeline raised AttributeError on a connection
@@ -509,9 +531,10 @@ def encode_header(payload: bytes | memoryview, print_: bytes, digest: bytes) -> 
 
 
 def _wrong_type(error: Exception | bytes) -> bool:
-    """Whether a reply's error is about its key alone: it holds another type of data."""
+    """Whether a reply's error is about its key alone: it holds another type of data
+    (the reply starts with WRONGTYPE; redis-py may put the command before it)."""
     said = error if isinstance(error, bytes) else str(error).encode(errors="replace")
-    return said.startswith(b"WRONGTYPE")
+    return re.search(rb"(?:^|[ ('\"])WRONGTYPE ", said) is not None
 
 
 def _header_fault(
