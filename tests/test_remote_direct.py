@@ -603,6 +603,62 @@ async def test_a_failed_direct_read_keeps_no_host_memory_alive(
 
 
 @pytest.mark.redis
+@pytest.mark.parametrize("how", ["cancelled", "asyncio-cancel"])
+async def test_a_cancelled_copying_restore_keeps_no_host_memory_alive(
+    how: str, redis_server: RedisServer, redis_keyspace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copying fetch (``direct_reads=False``, every cluster's) cancelled while a part
+    is copied into host blocks, by an anyio scope or asyncio's own ``Task.cancel``: with
+    the cycle collector off, leaving the manager unmaps its region at once (review: the
+    copy's frame kept the host rows alive in asyncio's cancellation cycles)."""
+    import gc
+
+    import numpy as np
+    import structlog
+
+    copying, go = threading.Event(), threading.Event()
+    real_copyto = np.copyto
+
+    def held_copy(dst: Any, src: Any, *args: Any, **kwargs: Any) -> None:
+        copying.set()
+        go.wait(TIMEOUT_S)
+        real_copyto(dst, src, *args, **kwargs)
+
+    gc.collect()
+    gc.disable()
+    try:
+        with structlog.testing.capture_logs() as events, anyio.fail_after(TIMEOUT_S):
+            async with remote_tier(
+                redis_server.url, redis_keyspace, host_blocks=BLOCKS, direct_reads=False
+            ) as (tier, layout):
+                await stored_and_forgotten(tier, layout, [1, 2, 3])
+                monkeypatch.setattr(np, "copyto", held_copy)
+                try:
+                    if how == "cancelled":
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(tier.restore, [1, 2, 3], [0, 1, 2])
+                            await wait_thread_event(copying)
+                            tg.cancel_scope.cancel()
+                            go.set()
+                    else:
+                        task = asyncio.ensure_future(tier.restore([1, 2, 3], [0, 1, 2]))
+                        await wait_thread_event(copying)
+                        task.cancel()
+                        go.set()
+                        with pytest.raises(asyncio.CancelledError):
+                            await task
+                finally:
+                    go.set()
+                    monkeypatch.setattr(np, "copyto", real_copyto)
+                await nothing_held(tier)
+    finally:
+        gc.enable()
+    names = [event["event"] for event in events]
+    assert "manager.closed" in names
+    assert "region.kept_by_views" not in names, names
+
+
+@pytest.mark.redis
 @pytest.mark.parametrize("direct_reads", [True, False])
 async def test_two_restores_of_one_run_both_get_it(
     direct_reads: bool, redis_server: RedisServer, redis_keyspace: str

@@ -253,13 +253,13 @@ class _FetchSink:
         self._part: list[tuple[BlockHash, StorePlan]] = []  # reserved, in order
 
     def reserve(self, block_hash: BlockHash) -> memoryview | None:
+        if self._rows is None:
+            raise RuntimeError("the restore this fetch was for is over")
         plan = self._index.begin_store([block_hash])
         if not plan.hashes:  # on the host, being stored by another, or no room
             self._index.end_store(plan, ok=False)
             return None
         self._part.append((block_hash, plan))
-        if self._rows is None:
-            raise RuntimeError("the restore this fetch was for is over")
         view: memoryview = self._rows[plan.host_blocks[0]].numpy().data
         return view
 
@@ -684,13 +684,16 @@ class KVTier:
     ) -> tuple[list[BlockHash], list[int]]:
         """Fetched blocks into host blocks the index gives them, then indexed. Returns
         the leading ones loadable now, kept from eviction (``index.end_load`` them)."""
-        rows = self.manager.host_bytes()
         plan = self.index.begin_store(keys)
-        by_hash = dict(zip(keys, payloads, strict=True))
+        # The host rows and the payloads, dropped once the copy is over: this frame may
+        # outlive the call in a cancellation's reference cycles, and must not keep the
+        # host memory mapped meanwhile.
+        work = [(self.manager.host_bytes(), dict(zip(keys, payloads, strict=True)))]
 
         def copy_in() -> None:
             import numpy as np  # with torch's .numpy(): see the module docstring
 
+            rows, by_hash = work[0]
             # NumPy's copy lets go of the GIL (a memoryview's slice assignment holds it
             # for every byte): the event loop's thread is not kept waiting meanwhile.
             for h, block in zip(plan.hashes, plan.host_blocks, strict=True):
@@ -701,6 +704,7 @@ class KVTier:
             await _thread_to_the_end(copy_in, remote.copy_limiter)
             ok = True
         finally:
+            work.clear()
             self.index.end_store(plan, ok=ok)  # not written back: it came from there
         remote.fetched(len(plan.hashes))
         ready: list[BlockHash] = []
