@@ -4,6 +4,9 @@ a block a load is reading is never evicted; a store with no room says what it sk
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 import anyio
 import pytest
 import torch
@@ -176,6 +179,37 @@ async def test_a_refused_call_evicts_nothing_and_touches_nothing() -> None:
             stored = tier.store([5], [5])  # 1 is still the least recently used
             await stored.transfer
             assert tier.lookup([1]) == 0 and tier.lookup([2, 3, 4, 5]) == 4
+
+
+@pytest.mark.parametrize("hashes", [b"\x01\x02", None, 7, "ab"], ids=repr)
+async def test_hashes_that_are_no_sequence_are_refused_by_every_call(hashes: Any) -> None:
+    """Not a sequence of hashes (a single bytes would be read as its bytes' ints):
+    InvalidTransferError from every call that takes hashes, nothing changed (review: the
+    tier's own calls listed them before the index saw them)."""
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(_layout(), HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            tier = _tier(mgr)
+            await tier.store([1, 2], [1, 2]).transfer
+            before = tier.stats()
+            calls: list[Callable[[], object]] = [
+                lambda: tier.store(hashes, [0, 1]),
+                lambda: tier.store_layers(hashes, [0, 1]),
+                lambda: tier.load(hashes, [0, 1]),
+                lambda: tier.load_layers(hashes, [0, 1]),
+                lambda: tier.lookup(hashes),
+            ]
+            for call in calls:
+                with pytest.raises(InvalidTransferError, match="sequence of ints or bytes"):
+                    call()
+            waits: list[Callable[[], Awaitable[int]]] = [
+                lambda: tier.restore(hashes, [0, 1]),
+                lambda: tier.lookup_remote(hashes),
+            ]
+            for wait in waits:
+                with pytest.raises(InvalidTransferError, match="sequence of ints or bytes"):
+                    await wait()
+            assert tier.stats() == before and tier.lookup([1, 2]) == 2
 
 
 async def test_a_closed_manager_refuses_stores_with_nothing_changed() -> None:

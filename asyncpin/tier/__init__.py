@@ -28,7 +28,14 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from asyncpin.errors import ConfigError, InvalidTransferError, TransferError
 from asyncpin.stats import TierStats
-from asyncpin.tier.index import BlockEvent, BlockHash, BlockIndex, IndexStats, StorePlan
+from asyncpin.tier.index import (
+    BlockEvent,
+    BlockHash,
+    BlockIndex,
+    IndexStats,
+    StorePlan,
+    all_checked,
+)
 from asyncpin.tier.policies import POLICY_NAMES
 from asyncpin.tier.remote import (
     RedisStore,
@@ -612,7 +619,7 @@ class KVTier:
     async def lookup_remote(self, hashes: Iterable[BlockHash]) -> int:
         """``lookup``, then, past the host's leading hits, the leading blocks the remote
         tier has (their values are checked when fetched: ``restore`` may find fewer)."""
-        keys = list(hashes)
+        keys = all_checked(hashes)
         n = self.index.lookup(keys)
         if self.remote is None or n == len(keys):
             return n
@@ -736,7 +743,7 @@ class KVTier:
         checked before the index changes: a refused call changes nothing."""
         from asyncpin.transfers import block_ids  # torch: see the module docstring
 
-        keys = list(hashes)
+        keys = all_checked(hashes)
         gpu = block_ids(gpu_block_ids, "gpu_block_ids", self._num_blocks)
         if len(gpu) != len(keys):
             raise InvalidTransferError(

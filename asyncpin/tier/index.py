@@ -32,7 +32,7 @@ from asyncpin._log import ShieldedLog
 from asyncpin.errors import ConfigError, InvalidTransferError
 from asyncpin.tier.policies import EvictionPolicy, make_policy
 
-__all__ = ["BlockEvent", "BlockHash", "BlockIndex", "IndexStats", "StorePlan"]
+__all__ = ["BlockEvent", "BlockHash", "BlockIndex", "IndexStats", "StorePlan", "all_checked"]
 
 BlockHash: TypeAlias = int | bytes
 
@@ -141,7 +141,7 @@ class BlockIndex:
 
     def lookup(self, hashes: Iterable[BlockHash]) -> int:
         """How many leading hashes are present and loadable."""
-        checked = _all_checked(hashes)
+        checked = all_checked(hashes)
         n = 0
         for h in checked:
             entry = self._entries.get(h)
@@ -217,7 +217,7 @@ class BlockIndex:
         """Give each new hash a host block for a copy about to start; see the module
         docstring. Nothing is loadable until ``end_store(plan, ok=True)``. A hash of the
         call that is present already is never evicted to make room for another."""
-        checked = _all_checked(hashes)
+        checked = all_checked(hashes)
         todo: list[BlockHash] = []
         blocks: list[int] = []
         positions: list[int] = []
@@ -298,7 +298,7 @@ class BlockIndex:
         use, such as a copy to another tier). InvalidTransferError (nothing protected) if
         one is not loadable."""
         entries = []
-        for h in _all_checked(hashes):
+        for h in all_checked(hashes):
             entry = self._entries.get(h)
             if entry is None or not entry.ready:
                 raise InvalidTransferError(f"block hash {h!r} is not loadable (lookup first)")
@@ -311,9 +311,11 @@ class BlockIndex:
 
     def end_load(self, hashes: Sequence[BlockHash], host_blocks: Sequence[int]) -> None:
         """A load of ``begin_load(hashes)`` is over (done, failed or cancelled). Once per
-        load: RuntimeError, nothing changed, for blocks no load under way holds (ended
-        already, or never begun); a second end would let a block that another load is
-        reading be evicted and written over."""
+        load: a second end would let a block that another load is reading be evicted and
+        written over. RuntimeError, nothing changed, where the index can tell: no load
+        under way holds the block (ended already, or never begun). It counts a block's
+        loads, not which is which: a second end of one load while another load of that
+        block is under way goes unseen."""
         pairs = list(zip(hashes, host_blocks, strict=True))
         readers: Counter[tuple[BlockHash, int]] = Counter()
         draining: Counter[int] = Counter()
@@ -341,7 +343,7 @@ class BlockIndex:
 
     def touch(self, hashes: Iterable[BlockHash]) -> None:
         """Mark loadable hashes as used now (a hit for the policy); others are ignored."""
-        for h in _all_checked(hashes):
+        for h in all_checked(hashes):
             entry = self._entries.get(h)
             if entry is not None and entry.ready:
                 self._policy.touch(h)
@@ -350,7 +352,7 @@ class BlockIndex:
         """Drop hashes from the index now (absent ones are ignored); returns how many were
         dropped. A block a copy still uses is freed when its last copy ends."""
         n = 0
-        for h in _all_checked(hashes):
+        for h in all_checked(hashes):
             entry = self._entries.pop(h, None)
             if entry is None:
                 continue
@@ -387,7 +389,7 @@ class BlockIndex:
             self._free.append(block)
 
 
-def _all_checked(hashes: Iterable[object]) -> list[BlockHash]:
+def all_checked(hashes: Iterable[object]) -> list[BlockHash]:
     """Every hash checked before any is used: a bad one changes nothing."""
     if isinstance(hashes, (str, bytes, bytearray, memoryview)) or not isinstance(hashes, Iterable):
         # bytes would be taken for the ints of its bytes, one hash each.
