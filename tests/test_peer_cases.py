@@ -824,6 +824,44 @@ async def test_remote_foreign_values_are_misses(
 
 @pytest.mark.redis
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("damage", ["wrong-type", "empty", "header-only", "foreign", "missing"])
+async def test_a_run_broken_by_a_bad_value_evicts_nothing_for_the_values_after_it(
+    damage: str, redis_server: RedisServer, redis_keyspace: str, gen: torch.Generator
+) -> None:
+    """Block 2 of a run of five is bad or missing; five other blocks fill the host but
+    for three free ones. The direct fetch restores block 1 and reserves no host block
+    for blocks 3-5 (review: a value with no body to read, missing, empty, of another
+    type or no longer than its header, did not end the run, and the values after it
+    evicted resident blocks for nothing)."""
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote(redis_server.url, redis_keyspace, gen, direct_reads=True) as (
+            tier,
+            _,
+        ):
+            await _written_and_forgotten(tier, [1, 2, 3, 4, 5])
+            assert tier.remote is not None
+            key = tier.remote.key_of(2)
+            value = redis_server.command("GET", key)
+            assert isinstance(value, bytes)
+            redis_server.command("DEL", key)
+            if damage == "wrong-type":
+                redis_server.command("HSET", key, "f", "v")
+            elif damage == "empty":
+                redis_server.command("SET", key, b"")
+            elif damage == "header-only":
+                redis_server.command("SET", key, value[:64])
+            elif damage == "foreign":
+                redis_server.command("SET", key, b"x" * 200)
+            resident = [11, 12, 13, 14, 15]
+            await tier.store(resident, resident).transfer
+            await tier.remote_written()
+            assert await tier.restore([1, 2, 3, 4, 5], [20, 21, 22, 23, 24]) == 1
+            assert [h for h in resident if h in tier.index] == resident
+            assert tier.stats().evicted_blocks == 0
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_lmcache_redis_ttl_is_set_on_every_value(
     redis_server: RedisServer, redis_keyspace: str, gen: torch.Generator
 ) -> None:

@@ -1016,9 +1016,14 @@ class RemoteLink:
         # What each value turned out to be: a fault's name, or its payload's memory.
         seen: list[str | tuple[memoryview, int]] = ["missing"] * len(part)
         ended = False  # a fault or no room: no block is reserved past it
+        last = -1  # the last value asked for a body
 
         def body_for(i: int, size: int, head: memoryview) -> memoryview | None:
-            nonlocal ended
+            nonlocal ended, last
+            # A value before this one had no body to ask for (missing, empty, another
+            # type of data, no longer than its header): the run ends there.
+            ended = ended or i != last + 1
+            last = i
             fault, crc = _header_fault(
                 size, head, nbytes=self.nbytes, print_=self.print_, digest=digests[i]
             )
