@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-import operator
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -76,14 +76,10 @@ def _is_int(value: Any) -> bool:
 
 def check_num_host_blocks(value: Any) -> int:
     """``value`` as an int (any integer type, NumPy's too, as block ids take them; never a
-    bool), or ConfigError."""
-    try:
-        blocks = -1 if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        blocks = -1
-    if blocks < 1:
+    bool or a tensor), or ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ConfigError(f"num_host_blocks must be an int >= 1, got {value!r}")
-    return blocks
+    return int(value)
 
 
 def _check_threads(knob: str, value: Any) -> int:

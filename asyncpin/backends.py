@@ -9,7 +9,7 @@ that a machine with no GPU never initialises CUDA.
 from __future__ import annotations
 
 import inspect
-import operator
+import numbers
 
 from asyncpin import _sys
 from asyncpin.abc import PinBackend
@@ -87,15 +87,12 @@ def resolve_backend(backend: str | PinBackend, device: int | None = None) -> Pin
     """Turn a name (``auto``, ``host``, ``cuda``) or a backend instance into a backend.
     ``device``: None (the current one) or a device index, whatever the backend."""
     if device is not None:
-        try:
-            index = -1 if isinstance(device, bool) else operator.index(device)
-        except TypeError:
-            index = -1
-        if index < 0:
+        # Any integer type (NumPy's too), never a bool or a tensor.
+        if isinstance(device, bool) or not isinstance(device, numbers.Integral) or device < 0:
             raise ConfigError(
                 f"device must be None or a device index (an int >= 0), got {device!r}"
             )
-        device = index
+        device = int(device)
     if not isinstance(backend, str):
         if not isinstance(backend, PinBackend):
             raise ConfigError(f"backend {backend!r} does not implement PinBackend")

@@ -141,7 +141,9 @@ class TestBackend:
         assert "is_available" in info.value.reason
         assert isinstance(info.value, RuntimeError)
 
-    @pytest.mark.parametrize("device", ["x", "cuda:0", -1, 1.5, True])
+    @pytest.mark.parametrize(
+        "device", ["x", "cuda:0", -1, 1.5, True, torch.tensor(1), torch.tensor(True)], ids=repr
+    )
     @pytest.mark.parametrize("backend", ["host", "auto", "instance"])
     async def test_device_that_is_no_index(self, device: object, backend: str) -> None:
         """Whatever the backend: a device is None or an index (found by a newcomer's
