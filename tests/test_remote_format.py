@@ -66,3 +66,21 @@ def test_the_fingerprint_names_model_layout_and_rank() -> None:
 
 def test_int_and_bytes_hashes_never_share_a_digest() -> None:
     assert hash_digest(1) != hash_digest(b"1") and hash_digest(1) != hash_digest(b"i1")
+
+
+def test_a_wrong_type_reply_is_told_from_an_error_that_names_the_key() -> None:
+    """A reply's own error must start with WRONGTYPE; redis-py's reworded pipeline error
+    (the command, with its key, first) is only a hint to re-run the pipeline (review: a
+    key holding " WRONGTYPE " in its namespace made another error an empty value)."""
+    from redis.exceptions import ResponseError
+
+    from asyncpin.tier.remote import _wrong_type
+
+    reply = b"WRONGTYPE Operation against a key holding the wrong kind of value"
+    assert _wrong_type(reply) and _wrong_type(ResponseError(reply.decode()))
+    other = b"ERR unknown command 'GET', with args beginning with: 'ns WRONGTYPE x:k' "
+    assert not _wrong_type(other) and not _wrong_type(ResponseError(other.decode()))
+    reworded = ResponseError(
+        f"Command # 2 (GET ns:k) of pipeline caused error: ('{reply.decode()}',)"
+    )
+    assert _wrong_type(reworded, reworded=True) and not _wrong_type(reworded)

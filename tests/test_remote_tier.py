@@ -797,3 +797,29 @@ async def test_the_callers_cancellation_still_cancels_a_call(
     with pytest.raises(asyncio.CancelledError):
         await task
     await store.aclose()
+
+
+async def test_a_copy_in_that_cannot_start_reserves_nothing(
+    redis_server: RedisServer, redis_keyspace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copying fetch's copy into host blocks fails before it starts (the manager's
+    host rows refused): restore raises that error and no host block stays reserved
+    (review: the blocks were reserved first, and stayed so for good)."""
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(
+            redis_server.url, redis_keyspace, host_blocks=BLOCKS, direct_reads=False
+        ) as (tier, layout):
+            hashes = [1, 2]
+            kept = await stored_and_forgotten(tier, layout, hashes)
+            real = tier.manager.host_bytes
+
+            def refused() -> torch.Tensor:
+                raise RuntimeError("host rows refused")
+
+            monkeypatch.setattr(tier.manager, "host_bytes", refused)
+            with pytest.raises(RuntimeError, match="host rows refused"):
+                await tier.restore(hashes, [20, 21])
+            monkeypatch.setattr(tier.manager, "host_bytes", real)
+            assert tier.stats().free_blocks == BLOCKS
+            assert await tier.restore(hashes, [20, 21]) == 2
+            assert same(layout, [20, 21], kept)

@@ -691,11 +691,11 @@ class KVTier:
     ) -> tuple[list[BlockHash], list[int]]:
         """Fetched blocks into host blocks the index gives them, then indexed. Returns
         the leading ones loadable now, kept from eviction (``index.end_load`` them)."""
-        plan = self.index.begin_store(keys)
         # The host rows and the payloads, dropped once the copy is over: this frame may
         # outlive the call in a cancellation's reference cycles, and must not keep the
         # host memory mapped meanwhile.
         work = [(self.manager.host_bytes(), dict(zip(keys, payloads, strict=True)))]
+        plan = self.index.begin_store(keys)
 
         def copy_in() -> None:
             import numpy as np  # with torch's .numpy(): see the module docstring

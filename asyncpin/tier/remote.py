@@ -216,7 +216,7 @@ class RedisStore:
                     try:
                         outcome.append(await pipe.execute(raise_on_error=True))
                     except ResponseError as exc:
-                        if not _wrong_type(exc):
+                        if not _wrong_type(exc, reworded=True):
                             raise
                         # A key holds another type of data: again, each key's error in
                         # its place. (Not the first time: the cluster's pipeline would
@@ -530,11 +530,15 @@ def encode_header(payload: bytes | memoryview, print_: bytes, digest: bytes) -> 
     return _HEADER.pack(MAGIC, VERSION, len(payload), zlib.crc32(payload), print_, digest)
 
 
-def _wrong_type(error: Exception | bytes) -> bool:
+def _wrong_type(error: Exception | bytes, *, reworded: bool = False) -> bool:
     """Whether a reply's error is about its key alone: it holds another type of data
-    (the reply starts with WRONGTYPE; redis-py may put the command before it)."""
+    (the reply starts with WRONGTYPE). ``reworded``: redis-py's pipeline error, which
+    puts the command, with its key, before the reply: only a hint, since the key may
+    hold the word too."""
     said = error if isinstance(error, bytes) else str(error).encode(errors="replace")
-    return re.search(rb"(?:^|[ ('\"])WRONGTYPE ", said) is not None
+    if reworded:
+        return re.search(rb"(?:^|[ ('\"])WRONGTYPE ", said) is not None
+    return said.startswith(b"WRONGTYPE ")
 
 
 def _header_fault(
