@@ -884,7 +884,7 @@ class Session:
             "duplicate_device_destination": lambda: mgr.load([0, 1], [3, 3]),
             "float_ids": lambda: mgr.load(torch.tensor([0.0]), [0]),
             "two_dim_ids": lambda: mgr.store(torch.tensor([[0]]), [0]),
-            "unknown_method": lambda: mgr.store([0], [0], method="batch"),
+            "unknown_method": lambda: mgr.store([0], [0], method="bogus"),  # type: ignore[arg-type]
         }
         before = mgr.stats()
         n_calls = len(self.fake.calls)
