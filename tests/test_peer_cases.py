@@ -725,6 +725,27 @@ async def remote(
             yield tier, layout
 
 
+def damaged(server: RedisServer, key: str, damage: str) -> None:
+    """Put a bad value under ``key`` in place of its own, or none: another type of data
+    (``wrong-type``), ``empty``, its own with bytes appended (``trailing-bytes``), its
+    header alone (``header-only``), ``foreign`` bytes, or ``missing``."""
+    value = server.command("GET", key)
+    assert isinstance(value, bytes)
+    server.command("DEL", key)
+    if damage == "wrong-type":
+        server.command("HSET", key, "f", "v")
+    elif damage == "empty":
+        server.command("SET", key, b"")
+    elif damage == "trailing-bytes":
+        server.command("SET", key, value + b"\x00" * 8)
+    elif damage == "header-only":
+        server.command("SET", key, value[:64])
+    elif damage == "foreign":
+        server.command("SET", key, b"x" * 200)
+    else:
+        assert damage == "missing", damage
+
+
 async def _written_and_forgotten(tier: KVTier, hashes: list[int]) -> None:
     await tier.store(hashes, hashes).transfer  # hash h from device block h
     await tier.remote_written()
@@ -796,17 +817,7 @@ async def test_remote_foreign_values_are_misses(
             key = tier.remote.key_of(2)
             if cluster:
                 server = cluster.node_for_slot(cluster.keyslot(key))
-            value = server.command("GET", key)
-            assert isinstance(value, bytes)
-            server.command("DEL", key)
-            if damage == "wrong-type":
-                server.command("HSET", key, "f", "v")
-            elif damage == "empty":
-                server.command("SET", key, b"")
-            elif damage == "trailing-bytes":
-                server.command("SET", key, value + b"\x00" * 8)
-            else:
-                server.command("SET", key, value[:64])
+            damaged(server, key, damage)
             before = rows(layout, [21, 22])
             assert await tier.restore([1, 2, 3], [20, 21, 22]) == 1
             assert same_rows(layout, [20], rows(layout, [1]))
@@ -841,17 +852,7 @@ async def test_a_run_broken_by_a_bad_value_evicts_nothing_for_the_values_after_i
             await _written_and_forgotten(tier, [1, 2, 3, 4, 5])
             assert tier.remote is not None
             key = tier.remote.key_of(2)
-            value = redis_server.command("GET", key)
-            assert isinstance(value, bytes)
-            redis_server.command("DEL", key)
-            if damage == "wrong-type":
-                redis_server.command("HSET", key, "f", "v")
-            elif damage == "empty":
-                redis_server.command("SET", key, b"")
-            elif damage == "header-only":
-                redis_server.command("SET", key, value[:64])
-            elif damage == "foreign":
-                redis_server.command("SET", key, b"x" * 200)
+            damaged(redis_server, key, damage)
             resident = [11, 12, 13, 14, 15]
             await tier.store(resident, resident).transfer
             await tier.remote_written()

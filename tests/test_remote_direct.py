@@ -13,6 +13,7 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -526,6 +527,27 @@ async def test_a_handshake_that_never_ends_is_bounded(stop_by: str) -> None:
         server.close()
 
 
+@contextlib.contextmanager
+def unmapped_at_close() -> Iterator[None]:
+    """With the cycle collector off, the managers closed in the block unmap their regions
+    at once: no reference cycle keeps a view of host memory alive (``region.kept_by_views``
+    not logged)."""
+    import gc
+
+    import structlog
+
+    gc.collect()
+    gc.disable()
+    try:
+        with structlog.testing.capture_logs() as events:
+            yield
+    finally:
+        gc.enable()
+    names = [event["event"] for event in events]
+    assert "manager.closed" in names
+    assert "region.kept_by_views" not in names, names
+
+
 async def cancelled_while_reading(
     tier: KVTier, how: str, hashes: list[int], device_blocks: list[int]
 ) -> None:
@@ -567,39 +589,27 @@ async def test_a_failed_direct_read_keeps_no_host_memory_alive(
     cycle collector off, leaving the manager unmaps its region at once (review: the
     error's traceback and anyio's future formed cycles that kept the host blocks' views
     alive: ``region.kept_by_views``; a newcomer's trial: the cancellation's too)."""
-    import gc
-
-    import structlog
-
-    gc.collect()
-    gc.disable()
-    try:
-        with structlog.testing.capture_logs() as events, anyio.fail_after(TIMEOUT_S):
-            async with remote_tier(redis_server.url, redis_keyspace, timeout_s=0.5) as (
-                tier,
-                layout,
-            ):
-                await stored_and_forgotten(tier, layout, [1, 2, 3])
-                if fault == "killed":
-                    redis_server.kill()
-                else:  # mid-read: the pool has a connection, the server stops answering
-                    assert await tier.restore([1], [0]) == 1
-                    tier.clear()
-                    redis_server.pause()
-                try:
-                    if fault in ("cancelled", "asyncio-cancel"):
-                        await cancelled_while_reading(tier, fault, [1, 2, 3], [0, 1, 2])
-                    else:
-                        assert await tier.restore([1, 2, 3], [0, 1, 2]) == 0
-                finally:
-                    redis_server.reset()
-                remote = tier.stats().remote
-                assert remote is not None and remote.degraded == (fault in ("killed", "paused"))
-    finally:
-        gc.enable()
-    names = [event["event"] for event in events]
-    assert "manager.closed" in names
-    assert "region.kept_by_views" not in names, names
+    with unmapped_at_close(), anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(redis_server.url, redis_keyspace, timeout_s=0.5) as (
+            tier,
+            layout,
+        ):
+            await stored_and_forgotten(tier, layout, [1, 2, 3])
+            if fault == "killed":
+                redis_server.kill()
+            else:  # mid-read: the pool has a connection, the server stops answering
+                assert await tier.restore([1], [0]) == 1
+                tier.clear()
+                redis_server.pause()
+            try:
+                if fault in ("cancelled", "asyncio-cancel"):
+                    await cancelled_while_reading(tier, fault, [1, 2, 3], [0, 1, 2])
+                else:
+                    assert await tier.restore([1, 2, 3], [0, 1, 2]) == 0
+            finally:
+                redis_server.reset()
+            remote = tier.stats().remote
+            assert remote is not None and remote.degraded == (fault in ("killed", "paused"))
 
 
 @pytest.mark.redis
@@ -611,10 +621,7 @@ async def test_a_cancelled_copying_restore_keeps_no_host_memory_alive(
     is copied into host blocks, by an anyio scope or asyncio's own ``Task.cancel``: with
     the cycle collector off, leaving the manager unmaps its region at once (review: the
     copy's frame kept the host rows alive in asyncio's cancellation cycles)."""
-    import gc
-
     import numpy as np
-    import structlog
 
     copying, go = threading.Event(), threading.Event()
     real_copyto = np.copyto
@@ -624,38 +631,30 @@ async def test_a_cancelled_copying_restore_keeps_no_host_memory_alive(
         go.wait(TIMEOUT_S)
         real_copyto(dst, src, *args, **kwargs)
 
-    gc.collect()
-    gc.disable()
-    try:
-        with structlog.testing.capture_logs() as events, anyio.fail_after(TIMEOUT_S):
-            async with remote_tier(
-                redis_server.url, redis_keyspace, host_blocks=BLOCKS, direct_reads=False
-            ) as (tier, layout):
-                await stored_and_forgotten(tier, layout, [1, 2, 3])
-                monkeypatch.setattr(np, "copyto", held_copy)
-                try:
-                    if how == "cancelled":
-                        async with anyio.create_task_group() as tg:
-                            tg.start_soon(tier.restore, [1, 2, 3], [0, 1, 2])
-                            await wait_thread_event(copying)
-                            tg.cancel_scope.cancel()
-                            go.set()
-                    else:
-                        task = asyncio.ensure_future(tier.restore([1, 2, 3], [0, 1, 2]))
+    with unmapped_at_close(), anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(
+            redis_server.url, redis_keyspace, host_blocks=BLOCKS, direct_reads=False
+        ) as (tier, layout):
+            await stored_and_forgotten(tier, layout, [1, 2, 3])
+            monkeypatch.setattr(np, "copyto", held_copy)
+            try:
+                if how == "cancelled":
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(tier.restore, [1, 2, 3], [0, 1, 2])
                         await wait_thread_event(copying)
-                        task.cancel()
+                        tg.cancel_scope.cancel()
                         go.set()
-                        with pytest.raises(asyncio.CancelledError):
-                            await task
-                finally:
+                else:
+                    task = asyncio.ensure_future(tier.restore([1, 2, 3], [0, 1, 2]))
+                    await wait_thread_event(copying)
+                    task.cancel()
                     go.set()
-                    monkeypatch.setattr(np, "copyto", real_copyto)
-                await nothing_held(tier)
-    finally:
-        gc.enable()
-    names = [event["event"] for event in events]
-    assert "manager.closed" in names
-    assert "region.kept_by_views" not in names, names
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+            finally:
+                go.set()
+                monkeypatch.setattr(np, "copyto", real_copyto)
+            await nothing_held(tier)
 
 
 @pytest.mark.redis
