@@ -4,6 +4,8 @@ reason, never data."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from asyncpin.tier.remote import HEADER_BYTES, decode, encode_header, fingerprint, hash_digest
@@ -84,3 +86,27 @@ def test_a_wrong_type_reply_is_told_from_an_error_that_names_the_key() -> None:
         f"Command # 2 (GET ns:k) of pipeline caused error: ('{reply.decode()}',)"
     )
     assert _wrong_type(reworded, reworded=True) and not _wrong_type(reworded)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_get_reply_that_is_no_string_reads_as_an_empty_value(
+    anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hostile or odd server answers GET with a number, a double, a boolean or an
+    array (RESP3): the store gives an empty value (counted invalid by the reader), never
+    the object (an attacker's trial: restore raised TypeError from len())."""
+    from redis.exceptions import ResponseError
+
+    from asyncpin.tier.remote import RedisStore
+
+    store = RedisStore("redis://127.0.0.1:1", direct_reads=False)
+    replies: list[Any] = [1088, 1.5, True, [b"a"], ResponseError("WRONGTYPE x"), None, b"v"]
+
+    async def run(what: str, build: Any) -> list[Any]:
+        return replies
+
+    monkeypatch.setattr(store, "_run", run)
+    got = await store.get([f"k{i}" for i in range(len(replies))])
+    assert got == [b"", b"", b"", b"", b"", None, b"v"]
+    await store.aclose()

@@ -252,9 +252,12 @@ class RedisStore:
             for key in keys:
                 pipe.get(key)
 
-        # A key holding another type of data (WRONGTYPE) reads as an empty value: not
-        # ours, a counted invalid value to the reader, not a failure of the server.
-        return [b"" if isinstance(v, Exception) else v for v in await self._run("GET", build)]
+        # A key holding another type of data (WRONGTYPE), or a reply that is no string (a
+        # RESP3 server's number, say), reads as an empty value: not ours, a counted
+        # invalid value to the reader, not a failure of the server.
+        return [
+            v if v is None or isinstance(v, bytes) else b"" for v in await self._run("GET", build)
+        ]
 
     async def put(self, items: Sequence[tuple[str, Sequence[bytes | memoryview]]]) -> None:
         if not items:
