@@ -353,13 +353,13 @@ class KVTier:
             if isinstance(self.remote.store, RedisStore):
                 import asyncio
 
-                try:
-                    asyncio.get_running_loop()
-                except RuntimeError:
+                from asyncpin._tasks import current_loop
+
+                if not isinstance(current_loop(), asyncio.AbstractEventLoop):
                     raise ConfigError(
                         "RedisStore needs asyncio (redis-py's asyncio client): this event "
                         "loop is not asyncio's"
-                    ) from None
+                    )
             self._entered = True
             rows = self.manager.host_bytes()
             self._rows = rows

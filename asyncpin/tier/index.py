@@ -316,12 +316,17 @@ class BlockIndex:
         under way holds the block (ended already, or never begun). It counts a block's
         loads, not which is which: a second end of one load while another load of that
         block is under way goes unseen."""
-        pairs = list(zip(hashes, host_blocks, strict=True))
+        # Each block's entry, where the hash still names that block (else it drains).
+        pairs: list[tuple[BlockHash, int, _Entry | None]] = []
+        for h, block in zip(hashes, host_blocks, strict=True):
+            entry = self._entries.get(h)
+            pairs.append(
+                (h, block, entry if entry is not None and entry.host_block == block else None)
+            )
         readers: Counter[tuple[BlockHash, int]] = Counter()
         draining: Counter[int] = Counter()
-        for h, block in pairs:
-            entry = self._entries.get(h)
-            if entry is not None and entry.host_block == block:
+        for h, block, entry in pairs:
+            if entry is not None:
                 readers[h, block] += 1
                 held = entry.readers >= readers[h, block]
             else:
@@ -332,9 +337,8 @@ class BlockIndex:
                     f"end_load of block hash {h!r} in host block {block!r}: no load under "
                     "way holds it (ended already?)"
                 )
-        for h, block in pairs:
-            entry = self._entries.get(h)
-            if entry is not None and entry.host_block == block:
+        for _, block, entry in pairs:
+            if entry is not None:
                 entry.readers -= 1
             else:
                 self._release_user(block)
