@@ -21,7 +21,6 @@ copy still uses). The life of a block:
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias, cast
@@ -316,32 +315,32 @@ class BlockIndex:
         under way holds the block (ended already, or never begun). It counts a block's
         loads, not which is which: a second end of one load while another load of that
         block is under way goes unseen."""
-        # Each block's entry, where the hash still names that block (else it drains).
-        pairs: list[tuple[BlockHash, int, _Entry | None]] = []
-        for h, block in zip(hashes, host_blocks, strict=True):
-            entry = self._entries.get(h)
-            pairs.append(
-                (h, block, entry if entry is not None and entry.host_block == block else None)
-            )
-        readers: Counter[tuple[BlockHash, int]] = Counter()
-        draining: Counter[int] = Counter()
-        for h, block, entry in pairs:
-            if entry is not None:
-                readers[h, block] += 1
-                held = entry.readers >= readers[h, block]
-            else:
-                draining[block] += 1
-                held = self._draining.get(block, 0) >= draining[block]
-            if not held:
-                raise RuntimeError(
-                    f"end_load of block hash {h!r} in host block {block!r}: no load under "
-                    "way holds it (ended already?)"
-                )
-        for _, block, entry in pairs:
-            if entry is not None:
-                entry.readers -= 1
-            else:
-                self._release_user(block)
+        matched: list[_Entry] = []  # readers taken off, given back if one is refused
+        draining: list[int] = []  # blocks dropped from the index, drained in this order
+        users: dict[int, int] = {}
+        try:
+            for h, block in zip(hashes, host_blocks, strict=True):
+                entry = self._entries.get(h)
+                if entry is not None and entry.host_block == block:
+                    held = entry.readers > 0
+                    if held:
+                        entry.readers -= 1
+                        matched.append(entry)
+                else:
+                    users[block] = users.get(block, 0) + 1
+                    held = self._draining.get(block, 0) >= users[block]
+                    draining.append(block)
+                if not held:
+                    raise RuntimeError(
+                        f"end_load of block hash {h!r} in host block {block!r}: no load "
+                        "under way holds it (ended already?)"
+                    )
+        except BaseException:
+            for entry in matched:
+                entry.readers += 1
+            raise
+        for block in draining:
+            self._release_user(block)
 
     # -- bookkeeping ----------------------------------------------------------------------
 
