@@ -15,13 +15,17 @@ Each round, after a warm-up round that is not counted:
 
 - asyncpin write: ``tier.clear()``, ``tier.store(hashes, ids)`` of N blocks, then
   ``await tier.remote_written()``. Reported: the write-behind alone (from the store's copy
-  done to every block written: copy out of the host block in a worker thread, header,
-  pipelined SETs of 16) and the store end to end (host copy included).
-- asyncpin fetch: ``tier.clear()``, then ``await tier.restore(hashes, other_ids)``: one
-  pipeline of N GETs, every value checked (header, CRC-32) in a worker thread, copied into
-  a host block, then loaded to the device blocks (on the host engine: a memcpy). The
-  public API has no fetch-only call, so "fetch" is estimated as the restore minus a
-  ``tier.load`` of the same N blocks from the host (timed right after, its lag too).
+  done to every block written: on a node, pipelined SETs of 4 sent from the host blocks
+  in a worker thread, header and XXH3 checksum made there; on a cluster, or with
+  ``--copied-writes``, each block copied out in a worker thread, then redis-py's
+  pipelined SETs of the copies) and the store end to end (host copy included).
+- asyncpin fetch: ``tier.clear()``, then ``await tier.restore(hashes, other_ids)``: on a
+  node, pipelines of 16 GETs read straight into host blocks in a worker thread, every
+  value checked (header, XXH3 checksum) there (a cluster, or ``--copied-reads``: redis-py's
+  values, checked, then copied in), then loaded to the device blocks (the host engine: a
+  memcpy). The public API has no fetch-only call, so "fetch" is estimated as the restore
+  minus a ``tier.load`` of the same N blocks from the host (timed right after, its lag
+  too).
 - peer: a redis-py asyncio client (``Redis`` or ``RedisCluster``, same timeouts): SET of
   the same host blocks' bytes (``bytes`` objects made before timing) in pipelines of 16,
   then GET of them in one pipeline of N, as ``restore`` does. Values stay ``bytes``: no
@@ -117,6 +121,7 @@ async def measure(
     server_pids: Sequence[int],
     backend: str,
     direct_reads: bool | None = None,
+    direct_writes: bool | None = None,
 ) -> dict[str, Any]:
     import redis.asyncio
     import redis.asyncio.cluster
@@ -150,7 +155,13 @@ async def measure(
             await manager.__aenter__()
         try:
             await manager.pinned
-            store = RedisStore(url, cluster=cluster, timeout_s=timeout_s, direct_reads=direct_reads)
+            store = RedisStore(
+                url,
+                cluster=cluster,
+                timeout_s=timeout_s,
+                direct_reads=direct_reads,
+                direct_writes=direct_writes,
+            )
             async with (
                 KVTier(
                     manager,
@@ -197,6 +208,7 @@ async def measure(
         "backend": used_backend,
         "timeout_s": timeout_s,
         "direct_reads": store.direct_reads,
+        "direct_writes": store.direct_writes,
         "rounds": rounds,
         "median": _medians(rounds),
         "remote_stats": {
@@ -386,6 +398,11 @@ def main() -> int:
         action="store_true",
         help="RedisStore(direct_reads=False): fetch through the client's values, copied in",
     )
+    p.add_argument(
+        "--copied-writes",
+        action="store_true",
+        help="RedisStore(direct_writes=False): copy each block out, write the copies",
+    )
     args = p.parse_args()
     quiet_logs()
     try:
@@ -407,6 +424,7 @@ def main() -> int:
                     server_pids=pids,
                     backend=args.backend,
                     direct_reads=False if args.copied_reads else None,
+                    direct_writes=False if args.copied_writes else None,
                 ),
                 backend="asyncio",  # redis-py's client is asyncio's
             )
@@ -425,6 +443,7 @@ def main() -> int:
             results[kind] = with_servers(kind, run(kind == "cluster"))
     doc = {
         "copied_reads": args.copied_reads,
+        "copied_writes": args.copied_writes,
         "blocks": blocks,
         "host_block_bytes": 64 * TOKENS * HEADS * HEAD_DIM * 2,
         "repeats": repeats,

@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.from_thread
@@ -401,18 +401,27 @@ def test_options_the_direct_reads_cannot_use_are_refused() -> None:
 
     from asyncpin import ConfigError
 
+    url = "redis://127.0.0.1:1/0"
     with pytest.raises(ConfigError, match="retry= is an object of redis-py's asyncio"):
-        RedisStore("redis://127.0.0.1:1/0", retry=Retry(NoBackoff(), 1))
-    store = RedisStore("redis://127.0.0.1:1/0", retry=Retry(NoBackoff(), 1), direct_reads=False)
-    assert not store.direct_reads
-    with pytest.raises(ConfigError, match="single node"):
-        RedisStore("redis://127.0.0.1:1/0", cluster=True, direct_reads=True)
-    assert not RedisStore("redis://127.0.0.1:1/0", cluster=True).direct_reads
-    assert RedisStore("redis://127.0.0.1:1/0").direct_reads
+        RedisStore(url, retry=Retry(NoBackoff(), 1))
+    with pytest.raises(ConfigError, match="cannot use: pass direct_writes=False"):
+        RedisStore(url, retry=Retry(NoBackoff(), 1), direct_reads=False, direct_writes=True)
+    store = RedisStore(url, retry=Retry(NoBackoff(), 1), direct_reads=False)
+    assert not store.direct_reads and not store.direct_writes  # writes follow reads
+    for flag in ("direct_reads", "direct_writes"):
+        with pytest.raises(ConfigError, match=f"{flag}=True is for a single node"):
+            RedisStore(url, cluster=True, **{flag: True})
+        with pytest.raises(ConfigError, match=f"{flag} must be a bool"):
+            RedisStore(url, **{flag: cast(Any, 1)})
+    cluster = RedisStore(url, cluster=True)
+    assert not cluster.direct_reads and not cluster.direct_writes
+    assert RedisStore(url).direct_reads and RedisStore(url).direct_writes
+    reads_only = RedisStore(url, direct_writes=False)
+    assert reads_only.direct_reads and not reads_only.direct_writes
     # An option of the asyncio client alone (review: every direct read failed on it).
-    with pytest.raises(ConfigError, match="direct reads' blocking client refuses"):
-        RedisStore("redis://127.0.0.1:1/0", auto_close_connection_pool=True)
-    RedisStore("redis://127.0.0.1:1/0", auto_close_connection_pool=True, direct_reads=False)
+    with pytest.raises(ConfigError, match="direct path's blocking client refuses"):
+        RedisStore(url, auto_close_connection_pool=True)
+    RedisStore(url, auto_close_connection_pool=True, direct_reads=False)
 
 
 @pytest.mark.redis
