@@ -15,7 +15,7 @@ Each round, after a warm-up round that is not counted:
 
 - asyncpin write: ``tier.clear()``, ``tier.store(hashes, ids)`` of N blocks, then
   ``await tier.remote_written()``. Reported: the write-behind alone (from the store's copy
-  done to every block written: on a node, pipelined SETs of 4 sent from the host blocks
+  done to every block written: on a node, pipelined SETs of 16 sent from the host blocks
   in a worker thread, header and XXH3 checksum made there; on a cluster, or with
   ``--copied-writes``, each block copied out in a worker thread, then redis-py's
   pipelined SETs of the copies) and the store end to end (host copy included).

@@ -222,7 +222,7 @@ async def test_a_write_cut_short_at_close_is_over_before_its_blocks_go_back(
         assert over == [True]
         assert ended_after_the_send and all(ended_after_the_send), ended_after_the_send
         assert tier.remote is not None  # each block held, released once
-        assert len(ended_after_the_send) == tier.remote.write_batch
+        assert len(ended_after_the_send) == min(8, tier.remote.write_batch)
         remote = tier.stats().remote
         assert remote is not None and remote.written_blocks == 0
         assert remote.dropped_blocks + remote.failed_writes == 8

@@ -785,14 +785,14 @@ class RemoteLink:
         host_block_bytes: int,
         queue_blocks: int,
         batch_blocks: int = 16,
-        write_batch_blocks: int = 4,
+        write_batch_blocks: int | None = None,
     ) -> None:
         if not isinstance(store, RemoteStore):
             raise ConfigError(f"remote must be a RemoteStore (RedisStore, say), not {store!r}")
         for what, value in (
             ("remote_queue", queue_blocks),
             ("batch", batch_blocks),
-            ("write_batch", write_batch_blocks),
+            ("write_batch", 1 if write_batch_blocks is None else write_batch_blocks),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{what} must be an int >= 1, got {value!r}")
@@ -804,9 +804,12 @@ class RemoteLink:
         self._prefix = f"{namespace}:{print_.hex()}:"
         self.nbytes = host_block_bytes
         self.batch = batch_blocks  # blocks a fetch's pipeline reads
-        # Blocks a write's pipeline sends: on the dev machine, 256 blocks of 2 MiB were
-        # written at 0.73-1.03 GB/s in pipelines of 4, 0.45-0.50 in pipelines of 16
-        # (bench/RESULTS.md#remote).
+        # Blocks a write's pipeline sends (bench/RESULTS.md#remote, 2 MiB blocks on the
+        # dev machine): sent from the host blocks, 2.30-2.39 GB/s in pipelines of 16,
+        # 1.75-2.07 in pipelines of 4; copied out first, 0.73-1.03 GB/s in pipelines of
+        # 4, 0.45-0.50 in pipelines of 16 (each copy a new 2 MiB buffer).
+        if write_batch_blocks is None:
+            write_batch_blocks = 16 if self.direct_writes else 4
         self.write_batch = write_batch_blocks
         self.capacity = queue_blocks
         self._send, self._receive = anyio.create_memory_object_stream[tuple[int | bytes, int]](
