@@ -152,6 +152,19 @@ def redis_server(
 
 
 @pytest.fixture(scope="session")
+def redis_tls_server(
+    redis_servers_started: redis_servers.RedisServers,
+) -> redis_servers.RedisServer:
+    """A single ``redis-server`` that also listens for TLS: ``.tls_url`` and the
+    self-signed ``.certificate`` its clients trust (``.url``: plain, for the harness)."""
+    _skip_without_redis()
+    reason = redis_servers.tls_available()
+    if reason is not None:
+        pytest.skip(reason)
+    return redis_servers_started.tls_server()
+
+
+@pytest.fixture(scope="session")
 def redis_cluster(
     redis_servers_started: redis_servers.RedisServers,
 ) -> redis_servers.RedisCluster:

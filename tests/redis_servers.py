@@ -165,18 +165,48 @@ def free_port(*, cluster: bool = False) -> int:
     raise RuntimeError(f"no free port in {_PORTS}")
 
 
+def tls_available() -> str | None:
+    """Why a TLS server cannot run here (a skip reason), or None when it can."""
+    if shutil.which("openssl") is None:
+        return "openssl not on PATH (it makes the TLS server's certificate): install openssl"
+    return None
+
+
+def make_certificate(directory: Path) -> Path:
+    """A self-signed certificate for 127.0.0.1 and its key, ``cert.pem`` and ``key.pem`` in
+    ``directory``; returns the certificate's path (the CA a client trusts, too)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    argv = [
+        "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+        "-subj", f"/CN={HOST}", "-addext", f"subjectAltName=IP:{HOST}",
+        "-keyout", str(key), "-out", str(cert),
+    ]  # fmt: skip
+    subprocess.run(argv, check=True, capture_output=True, timeout=COMMAND_TIMEOUT_S)
+    return cert
+
+
 class RedisServer:
     """One ``redis-server`` process on ``127.0.0.1:port``, no persistence, in ``workdir``.
+    With ``tls=True`` it also listens for TLS on ``tls_port`` (``tls_url``), with the
+    self-signed certificate ``certificate`` (the harness's own commands stay on ``port``).
 
     The fault methods act on the real process: :meth:`kill` (SIGKILL), :meth:`restart`
     (start again, empty, on the same port), :meth:`pause`/:meth:`resume` (SIGSTOP and
     SIGCONT), :meth:`set_maxmemory` (CONFIG SET). :meth:`reset` undoes them all.
     """
 
-    def __init__(self, workdir: Path, *, port: int | None = None, cluster: bool = False) -> None:
+    def __init__(
+        self, workdir: Path, *, port: int | None = None, cluster: bool = False, tls: bool = False
+    ) -> None:
         self.workdir = workdir
         self.cluster = cluster
         self.port = port if port is not None else free_port(cluster=cluster)
+        self.tls_port: int | None = None
+        self.certificate: Path | None = None
+        if tls:
+            self.certificate = make_certificate(workdir / "tls")
+            self.tls_port = free_port()
         self._proc: subprocess.Popen[bytes] | None = None
         self._paused = False
         self._configured = False
@@ -188,6 +218,12 @@ class RedisServer:
     @property
     def url(self) -> str:
         return f"redis://{HOST}:{self.port}"
+
+    @property
+    def tls_url(self) -> str:
+        if self.tls_port is None:
+            raise RuntimeError(f"{self!r} has no TLS port")
+        return f"rediss://{HOST}:{self.tls_port}"
 
     @property
     def address(self) -> tuple[str, int]:
@@ -223,6 +259,15 @@ class RedisServer:
             "--logfile", str(self.log),
             "--daemonize", "no",
         ]  # fmt: skip
+        if self.tls_port is not None and self.certificate is not None:
+            key = self.certificate.with_name("key.pem")
+            argv += [
+                "--tls-port", str(self.tls_port),
+                "--tls-cert-file", str(self.certificate),
+                "--tls-key-file", str(key),
+                "--tls-ca-cert-file", str(self.certificate),
+                "--tls-auth-clients", "no",
+            ]  # fmt: skip
         if self.cluster:
             argv += [
                 "--cluster-enabled", "yes",
@@ -327,7 +372,7 @@ class RedisServer:
         self.kill()
         self._proc = None
         for path in self.workdir.iterdir():
-            if path.name not in ("nodes.conf", self.log.name):
+            if path.name not in ("nodes.conf", self.log.name, "tls"):
                 path.unlink()
         self.start()
 
@@ -526,6 +571,7 @@ class RedisServers:
     def __init__(self) -> None:
         self._root: Path | None = None
         self._server: RedisServer | None = None
+        self._tls_server: RedisServer | None = None
         self._cluster: RedisCluster | None = None
 
     def _dir(self) -> Path:
@@ -545,6 +591,18 @@ class RedisServers:
             self._server = server
         return self._server
 
+    def tls_server(self) -> RedisServer:
+        """A single node that also listens for TLS (``tls_url``, ``certificate``)."""
+        if self._tls_server is None:
+            server = RedisServer(self._dir() / "tls-single", tls=True)
+            try:
+                server.start()
+            except BaseException:
+                server.stop()
+                raise
+            self._tls_server = server
+        return self._tls_server
+
     def cluster(self) -> RedisCluster:
         if self._cluster is None:
             cluster = RedisCluster(self._dir() / "cluster")
@@ -560,13 +618,16 @@ class RedisServers:
         """Every process started so far (the single node, the cluster's nodes)."""
         if self._server is not None:
             yield self._server
+        if self._tls_server is not None:
+            yield self._tls_server
         if self._cluster is not None:
             yield from self._cluster.nodes
 
     def reset(self) -> None:
         """Undo whatever faults a test left (see :meth:`RedisServer.reset`)."""
-        if self._server is not None:
-            self._server.reset()
+        for server in (self._server, self._tls_server):
+            if server is not None:
+                server.reset()
         if self._cluster is not None:
             self._cluster.reset()
 
@@ -582,10 +643,11 @@ class RedisServers:
         try:
             if self._cluster is not None:
                 self._cluster.stop()
-            if self._server is not None:
-                self._server.stop()
+            for server in (self._server, self._tls_server):
+                if server is not None:
+                    server.stop()
         finally:
-            self._server = self._cluster = None
+            self._server = self._tls_server = self._cluster = None
             if self._root is not None:
                 shutil.rmtree(self._root, ignore_errors=True)
                 self._root = None

@@ -8,15 +8,16 @@ short at close holds no block afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
 
-from asyncpin.tier import RedisStore
+from asyncpin.tier import RedisStore, RemoteError
 from asyncpin.tier.remote import HEADER_BYTES, _Wire, checksum, decode, hash_digest
 from tests.helpers import wait_thread_event
 from tests.redis_servers import RedisServer
@@ -228,3 +229,203 @@ async def test_a_write_cut_short_at_close_is_over_before_its_blocks_go_back(
         assert remote.dropped_blocks + remote.failed_writes == 8
     finally:
         redis_server.resume()
+
+
+# -- review: values as bytes, keys as redis-py spells them, TLS, redis-py's own checks ------
+
+
+@pytest.mark.redis
+async def test_a_value_part_of_wider_items_is_sent_as_its_bytes(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """A part whose items are wider than a byte (int32), or of two dimensions, is
+    declared and sent as all its bytes (review: its length in items was declared, the
+    rest of its bytes ran as commands); a part that is no contiguous buffer is refused
+    with nothing sent."""
+    import numpy as np
+
+    store = RedisStore(redis_server.url, timeout_s=2.0)
+    wide = np.arange(24, dtype=np.int32)
+    square = np.arange(64, dtype=np.uint8).reshape(8, 8)
+    keys = [f"{redis_keyspace}wide", f"{redis_keyspace}square", f"{redis_keyspace}strided"]
+    try:
+        parts: list[tuple[bytes | memoryview, ...]] = [
+            (b"H", memoryview(cast(Any, wide))),
+            (memoryview(cast(Any, square)), b"T"),
+        ]
+        assert store.writefrom(list(zip(keys[:2], parts, strict=True))) == [None, None]
+        assert redis_server.command("GET", keys[0]) == b"H" + wide.tobytes()
+        assert redis_server.command("GET", keys[1]) == square.tobytes() + b"T"
+        assert redis_server.command("DBSIZE") == 2  # nothing ran as a command
+        strided = memoryview(cast(Any, np.arange(64, dtype=np.uint8)[::2]))
+        with pytest.raises(RemoteError, match="no buffer"):
+            store.writefrom([(keys[2], (strided,))])
+        assert redis_server.command("EXISTS", keys[2]) == 0
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.redis
+async def test_keys_are_spelled_as_redis_py_spells_them(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """With ``encoding="latin-1"`` a non-ASCII key written directly is the key that
+    redis-py's own calls and the direct reads ask for (review: it was UTF-8)."""
+    store = RedisStore(redis_server.url, timeout_s=2.0, encoding="latin-1")
+    key = f"{redis_keyspace}café"
+    try:
+        assert store.writefrom([(key, (b"0123456789",))]) == [None]
+        assert await store.exists([key]) == [True]
+        sizes = await anyio.to_thread.run_sync(
+            lambda: store.readinto([key], lambda i, size, head: None, head_bytes=4)
+        )
+        assert sizes == [10]
+        assert redis_server.command("EXISTS", key.encode("latin-1")) == 1
+    finally:
+        await store.aclose()
+
+
+class _SlowReplies:
+    """A proxy in front of a server whose replies each arrive ``delay_s`` late: a server
+    further away than one 50 ms poll."""
+
+    def __init__(self, server: tuple[str, int], delay_s: float) -> None:
+        self._server, self._delay_s = server, delay_s
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._sockets: list[socket.socket] = [self._listener]
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self._server)
+            self._sockets += [client, upstream]
+            for src, dst, delay in ((client, upstream, 0.0), (upstream, client, self._delay_s)):
+                pump = threading.Thread(target=self._pump, args=(src, dst, delay), daemon=True)
+                self._threads.append(pump)
+                pump.start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, delay_s: float) -> None:
+        try:
+            while data := src.recv(65536):
+                time.sleep(delay_s)  # the injected latency itself, not a wait for an event
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for sock in self._sockets:  # a shutdown wakes a thread blocked on it; a close not
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join()
+        for sock in self._sockets:
+            sock.close()
+
+
+@pytest.mark.redis
+async def test_a_direct_read_takes_no_health_check_under_the_poll(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """With redis-py's ``health_check_interval``, direct reads from a server whose
+    replies come 0.1 s late (two polls) are read (review: redis-py's PING waited for its
+    answer under the 50 ms poll, failed, and the read went on on a closed socket)."""
+    key = f"{redis_keyspace}far"
+    redis_server.command("SET", key, b"x" * 100)
+    proxy = _SlowReplies(redis_server.address, 0.1)
+    store = RedisStore(
+        f"redis://127.0.0.1:{proxy.port}", timeout_s=5.0, health_check_interval=0.001
+    )
+    try:
+        for _ in range(3):  # each past the interval
+            sizes = await anyio.to_thread.run_sync(
+                lambda: store.readinto([key], lambda i, size, head: None, head_bytes=8)
+            )
+            assert sizes == [100]
+    finally:
+        await store.aclose()
+        proxy.close()
+
+
+def _tls_pair(certificate: Any) -> tuple[socket.socket, socket.socket]:
+    import ssl
+
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(certificate, certificate.with_name("key.pem"))
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.load_verify_locations(certificate)
+    a, b = socket.socketpair()
+    wrapped: list[socket.socket] = []
+    handshake = threading.Thread(target=lambda: wrapped.append(server.wrap_socket(b, True)))
+    handshake.start()
+    a = client.wrap_socket(a, server_hostname="127.0.0.1")
+    handshake.join()
+    return a, wrapped[0]
+
+
+def test_a_tls_send_to_a_slow_reader_goes_on_while_bytes_flow(tmp_path: Any) -> None:
+    """A TLS socket's send is all or nothing: a 4 MiB part drained at ~3 MB/s took longer
+    than the quiet limit and failed although bytes flowed (review). Sent in pieces, each
+    piece's progress counts, and every byte arrives once, in order."""
+    from tests.redis_servers import make_certificate, tls_available
+
+    if (reason := tls_available()) is not None:
+        pytest.skip(reason)
+    a, b = _tls_pair(make_certificate(tmp_path))
+    data = bytes(range(256)) * 16384  # 4 MiB
+    got = bytearray()
+
+    def slow_reader() -> None:  # 16 KiB every 5 ms
+        while len(got) < len(data):
+            chunk = b.recv(16384)
+            if not chunk:
+                return
+            got.extend(chunk)
+            time.sleep(0.005)
+
+    reader = threading.Thread(target=slow_reader)
+    reader.start()
+    try:
+        a.settimeout(_Wire.POLL_S)
+        _Wire(a, time.monotonic() + 60, lambda: None, quiet_s=0.5).send(memoryview(data))
+        reader.join()
+        assert bytes(got) == data
+    finally:
+        a.close()
+        b.close()
+        reader.join()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("direct", [True, False])
+async def test_a_prefix_goes_and_comes_back_over_tls(
+    direct: bool, redis_tls_server: RedisServer, redis_keyspace: str
+) -> None:
+    """``rediss://`` with the server's CA: written and fetched back, direct (TLS socket
+    of redis-py's blocking client) and through redis-py's asyncio client."""
+    store = RedisStore(
+        redis_tls_server.tls_url,
+        timeout_s=5.0,
+        ssl_ca_certs=str(redis_tls_server.certificate),
+        direct_reads=direct,
+    )
+    assert store.direct_writes is direct
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(
+            redis_tls_server.tls_url, redis_keyspace, store=store, host_blocks=BLOCKS
+        ) as (tier, layout):
+            hashes = list(range(40, 52))
+            kept = await stored_and_forgotten(tier, layout, hashes)
+            ids = list(range(12, 24))
+            assert await tier.restore(hashes, ids) == len(hashes)
+            assert same(layout, ids, kept)
+            remote = tier.stats().remote
+            assert remote is not None and not remote.degraded
+            assert remote.written_blocks == len(hashes) and remote.hit_blocks == len(hashes)
+    assert len(redis_tls_server.keys(redis_keyspace)) == len(hashes)

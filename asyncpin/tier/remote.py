@@ -317,7 +317,10 @@ class RedisStore:
         failure: RemoteError | None = None
         try:
             with self._wire(deadline, check_cancelled) as (conn, wire):
-                conn.send_packed_command(conn.pack_commands([("GET", key) for key in keys]))
+                # Sent as the values are read: bounded by the deadline, and none of
+                # redis-py's own checks before it (its health check's PING would wait
+                # for its answer under the 50 ms poll as its whole timeout).
+                wire.send(b"".join(conn.pack_commands([("GET", key) for key in keys])))
                 head = memoryview(bytearray(head_bytes))
                 error: bytes | None = None
                 for i in range(len(keys)):
@@ -364,6 +367,12 @@ class RedisStore:
         errors: list[str | None] = [None] * len(items)
         if not items:
             return errors
+        # As bytes: a part's length is its bytes, whatever its items (a memoryview of
+        # int32, say); one that is no contiguous buffer fails here, with nothing sent.
+        try:
+            values = [[memoryview(part).cast("B") for part in parts] for _, parts in items]
+        except (TypeError, ValueError) as exc:
+            raise RemoteError(f"SET on {self._where}: a value part is no buffer: {exc}") from None
         px = b""  # the expiry's arguments
         if self._ttl_ms is not None:
             ms = b"%d" % self._ttl_ms
@@ -371,10 +380,10 @@ class RedisStore:
         deadline = time.monotonic() + self._timeout_s * 4
         failure: RemoteError | None = None
         try:
-            with self._wire(deadline, check_cancelled) as (_, wire):
+            with self._wire(deadline, check_cancelled) as (conn, wire):
                 small = bytearray()
-                for key, parts in items:
-                    name = key.encode()
+                for (key, _), parts in zip(items, values, strict=True):
+                    name = conn.encoder.encode(key)  # as redis-py spells it (``encoding=``)
                     size = sum(len(part) for part in parts)
                     small += b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
                         5 if px else 3,
@@ -508,6 +517,9 @@ class _Wire:
     _LINE_READ = 4096  # what a line's read may take of the value after it (copied)
     _MAX_LINE = 1024  # longer is not a reply to GET (an error's text is short too)
     POLL_S = 0.05
+    # What one send may take: a TLS socket's send is all or nothing (it waits until the
+    # whole of it is out), so progress is seen, and the quiet limit held, per piece.
+    SEND_PIECE = 256 << 10
 
     def __init__(
         self,
@@ -538,7 +550,7 @@ class _Wire:
         while view:
             self._go_on(since, "no byte taken by the server")
             try:
-                sent = self._sock.send(view)
+                sent = self._sock.send(view[: self.SEND_PIECE])
             except TimeoutError:  # the poll's wait: look again
                 continue
             view = view[sent:]
@@ -656,7 +668,8 @@ def checksum(payload: bytes | memoryview) -> int:
 
 
 def encode_header(payload: bytes | memoryview, print_: bytes, digest: bytes) -> bytes:
-    return _HEADER.pack(MAGIC, VERSION, len(payload), checksum(payload), print_, digest)
+    size = memoryview(payload).nbytes  # bytes, whatever the items
+    return _HEADER.pack(MAGIC, VERSION, size, checksum(payload), print_, digest)
 
 
 def _wrong_type(error: Exception | bytes, *, reworded: bool = False) -> bool:
