@@ -35,6 +35,7 @@ import functools
 import hashlib
 import json
 import re
+import ssl
 import struct
 import threading
 import time
@@ -517,8 +518,10 @@ class _Wire:
     _LINE_READ = 4096  # what a line's read may take of the value after it (copied)
     _MAX_LINE = 1024  # longer is not a reply to GET (an error's text is short too)
     POLL_S = 0.05
-    # What one send may take: a TLS socket's send is all or nothing (it waits until the
-    # whole of it is out), so progress is seen, and the quiet limit held, per piece.
+    # What one send may take on TLS: an SSL socket's send is all or nothing (it waits
+    # until the whole of it is out), so progress is seen, and the quiet limit held, per
+    # piece. (A plain socket sends what it can and says how much: pieces there cost
+    # 15-20% of the throughput, bench/probes/redis_send.py.)
     SEND_PIECE = 256 << 10
 
     def __init__(
@@ -546,11 +549,12 @@ class _Wire:
 
     def send(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
+        piece = self.SEND_PIECE if isinstance(self._sock, ssl.SSLSocket) else len(view)
         since = time.monotonic()
         while view:
             self._go_on(since, "no byte taken by the server")
             try:
-                sent = self._sock.send(view[: self.SEND_PIECE])
+                sent = self._sock.send(view[:piece])
             except TimeoutError:  # the poll's wait: look again
                 continue
             view = view[sent:]
