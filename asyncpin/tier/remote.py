@@ -944,85 +944,60 @@ class RemoteLink:
         hold: Callable[[int | bytes, int], bool],
         release: Callable[[int | bytes, int], None],
     ) -> None:
+        """One pipelined write of ``batch``'s blocks that still hold their hashes. On a
+        store with direct writes, a worker thread makes each header (the checksum) and
+        sends the header and the host block itself (``writefrom``); otherwise it copies
+        each block out after its header, and the copies go through ``put``. The blocks
+        are released once the thread is over, however the caller is cancelled."""
+        import anyio.from_thread
+
         held = [(h, block) for h, block in batch if hold(h, block)]
         self._counts["skipped_blocks"] += len(batch) - len(held)
-        if self.direct_writes:
-            await self._write_direct(held, read_block, release, len(batch))
-            return
+        direct = self.direct_writes
 
-        def copy_out() -> list[tuple[str, Sequence[bytes | memoryview]]]:
-            # One copy per block: the host block into the value, after its header.
+        def values() -> list[tuple[str, Sequence[bytes | memoryview]]]:
             items: list[tuple[str, Sequence[bytes | memoryview]]] = []
             import numpy as np  # the host blocks are read through torch's .numpy()
 
             for block_hash, block in held:
-                value = memoryview(bytearray(HEADER_BYTES + self.nbytes))
-                payload = value[HEADER_BYTES:]
-                # NumPy's copy lets go of the GIL; a memoryview's slice assignment holds it.
-                np.copyto(
-                    np.frombuffer(payload, dtype=np.uint8),
-                    np.frombuffer(read_block(block), dtype=np.uint8),
-                )
-                value[:HEADER_BYTES] = encode_header(payload, self.print_, hash_digest(block_hash))
-                items.append((self.key_of(block_hash), (value,)))
+                payload = read_block(block)
+                if not direct:  # one copy: the host block into the value, after its header
+                    value = memoryview(bytearray(HEADER_BYTES + self.nbytes))
+                    # NumPy's copy lets go of the GIL; a memoryview's slice assignment
+                    # holds it.
+                    np.copyto(
+                        np.frombuffer(value[HEADER_BYTES:], dtype=np.uint8),
+                        np.frombuffer(payload, dtype=np.uint8),
+                    )
+                    payload = value[HEADER_BYTES:]
+                header = encode_header(payload, self.print_, hash_digest(block_hash))
+                if direct:
+                    items.append((self.key_of(block_hash), (header, payload)))
+                else:
+                    value[:HEADER_BYTES] = header
+                    items.append((self.key_of(block_hash), (value,)))
             return items
 
-        counted = False
-        try:
-            try:
-                items = await _thread_to_the_end(copy_out, self._limiter)
-            finally:
-                for h, block in held:
-                    release(h, block)
-            try:
-                await self.store.put(items)
-            except Exception as exc:
-                self._failed(_remote_error(exc, self.store), "put")
-                self._counts["failed_writes"] += len(items)
-                counted = True
-                return
-            self._ok()
-            self._counts["written_blocks"] += len(items)
-            self._counts["written_bytes"] += len(items) * self.nbytes
-            counted = True
-        finally:
-            if not counted:  # cut short (the tier's close at its deadline): maybe written
-                self._counts["dropped_blocks"] += len(held)
-            self._settled(len(batch))
-
-    async def _write_direct(
-        self,
-        held: list[tuple[int | bytes, int]],
-        read_block: Callable[[int], memoryview],
-        release: Callable[[int | bytes, int], None],
-        queued: int,
-    ) -> None:
-        """``held`` sent by the store's ``writefrom`` from the host blocks themselves
-        (header and checksum made in the same worker thread), each released once the
-        thread is over, however the caller is cancelled."""
-        import anyio.from_thread
-
-        writefrom: Callable[..., list[str | None]] = cast(Any, self.store).writefrom
-
         def send() -> list[str | None]:
-            items: list[tuple[str, Sequence[bytes | memoryview]]] = []
-            for block_hash, block in held:
-                payload = read_block(block)
-                header = encode_header(payload, self.print_, hash_digest(block_hash))
-                items.append((self.key_of(block_hash), (header, payload)))
-            return writefrom(items, check_cancelled=anyio.from_thread.check_cancelled)
+            writefrom: Callable[..., list[str | None]] = cast(Any, self.store).writefrom
+            return writefrom(values(), check_cancelled=anyio.from_thread.check_cancelled)
 
         counted = False
         try:
+            refused: list[str] = []
             try:
-                errors = await _thread_to_the_end(send, self._limiter)
+                if direct:
+                    said = await _thread_to_the_end(send, self._limiter)
+                    refused = [text for text in said if text is not None]
+                else:
+                    items = await _thread_to_the_end(values, self._limiter)
             finally:
                 for h, block in held:
                     release(h, block)
-            refused = [said for said in errors if said is not None]
+            if not direct:
+                await self.store.put(items)
             if refused:  # the server's own refusal (out of memory, say): those keys only
-                error = RemoteError(f"SET on {self.store!r} failed: {refused[0]}")
-                self._failed(error, "put")
+                self._failed(RemoteError(f"SET on {self.store!r} failed: {refused[0]}"), "put")
             else:
                 self._ok()
             self._counts["failed_writes"] += len(refused)
@@ -1036,12 +1011,12 @@ class RemoteLink:
         finally:
             if not counted:  # cut short (the tier's close at its deadline): maybe written
                 self._counts["dropped_blocks"] += len(held)
-            self._settled(queued)
+            self._settled(len(batch))
 
     @property
     def direct_writes(self) -> bool:
-        """Whether writes go straight from host blocks (``_write_direct``): the store
-        has ``writefrom`` and it is on."""
+        """Whether writes go straight from host blocks (``writefrom``): the store has it
+        and it is on."""
         return callable(getattr(self.store, "writefrom", None)) and bool(
             getattr(self.store, "direct_writes", False)
         )
