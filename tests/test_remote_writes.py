@@ -12,10 +12,12 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, cast
 
 import anyio
 import pytest
+import structlog
 
 from asyncpin.tier import RedisStore, RemoteError
 from asyncpin.tier.remote import HEADER_BYTES, _Wire, checksum, decode, hash_digest
@@ -429,3 +431,177 @@ async def test_a_prefix_goes_and_comes_back_over_tls(
             assert remote is not None and not remote.degraded
             assert remote.written_blocks == len(hashes) and remote.hit_blocks == len(hashes)
     assert len(redis_tls_server.keys(redis_keyspace)) == len(hashes)
+
+
+@contextlib.contextmanager
+def _never_accepting() -> Iterator[int]:
+    """A loopback port whose listener never accepts and whose backlog is full: a connect
+    to it waits (the kernel drops its SYNs) until its own timeout."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = listener.getsockname()[1]
+    fillers: list[socket.socket] = []
+    try:
+        while len(fillers) < 64:  # until a connect does not get through: the backlog is full
+            filler = socket.socket()
+            fillers.append(filler)
+            filler.settimeout(0.2)
+            try:
+                filler.connect(("127.0.0.1", port))
+            except TimeoutError:
+                break
+        else:
+            pytest.skip("the backlog of a listener never filled")
+        yield port
+    finally:
+        for sock in [*fillers, listener]:
+            sock.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+async def test_leaving_never_waits_for_a_connect_nobody_answers(direct: bool) -> None:
+    """A server that never accepts: leaving the tier takes the flush's deadline, not the
+    connect's timeout (review: the direct paths waited for their connect thread), and a
+    restore cancelled meanwhile returns at once."""
+    with _never_accepting() as port:
+        store = RedisStore(f"redis://127.0.0.1:{port}", timeout_s=10.0, direct_reads=direct)
+        with anyio.fail_after(TIMEOUT_S):
+            async with remote_tier(
+                store=store, url="", keyspace="never:", host_blocks=BLOCKS, flush_timeout_s=0.3
+            ) as (tier, _):
+                await tier.store(list(range(8)), list(range(8))).transfer
+                start = anyio.current_time()
+                with anyio.move_on_after(0.2):
+                    await tier.restore(list(range(100, 104)), [20, 21, 22, 23])
+                assert anyio.current_time() - start < 2.0  # not the 10 s connect
+                start = anyio.current_time()
+            assert anyio.current_time() - start < 2.0  # flush 0.3 s, the store's close 0.3 s
+        remote = tier.stats().remote
+        assert remote is not None
+        assert remote.written_blocks + remote.failed_writes + remote.dropped_blocks == 8
+
+
+class _QuotingServer:
+    """A server that answers every command with an error quoting its arguments, as Redis
+    does for a command it does not know (a Redis 5 for redis-py's ``HELLO 3 AUTH user
+    password``)."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._clients: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            self._clients.append(client)
+            with contextlib.suppress(OSError):
+                words = client.recv(65536).split(b"\r\n")[2::2]
+                quoted = b"".join(b"`" + word + b"`, " for word in words[1:])
+                client.sendall(
+                    b"-ERR unknown command `%s`, with args beginning with: %s\r\n"
+                    % (words[0], quoted)
+                )
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        self._thread.join()
+        for client in self._clients:
+            client.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("where", ["url", "options"])
+async def test_a_password_the_server_quotes_back_never_shows(direct: bool, where: str) -> None:
+    """The server's error repeats the handshake's arguments, the password among them:
+    it never reaches a log, an error or the counters (review: only a URL's
+    ``//user:password@`` was taken out)."""
+    server = _QuotingServer()
+    secret, user = "S3cret-Pw-x1", "admin-u5er"
+    options: dict[str, Any] = {}
+    if where == "url":
+        url = f"redis://{user}:{secret}@127.0.0.1:{server.port}/0"
+    else:
+        url, options = f"redis://127.0.0.1:{server.port}/0", {"username": user, "password": secret}
+    try:
+        with structlog.testing.capture_logs() as events:
+            store = RedisStore(url, timeout_s=0.5, protocol=3, direct_reads=direct, **options)
+            with anyio.fail_after(TIMEOUT_S):
+                async with remote_tier(
+                    url, "quoted:", store=store, host_blocks=BLOCKS, flush_timeout_s=1.0
+                ) as (tier, _):
+                    await tier.store(list(range(4)), list(range(4))).transfer
+                    await tier.remote_written()
+                    assert await tier.restore(list(range(10, 12)), [20, 21]) == 0
+                    with pytest.raises(RemoteError) as info:
+                        await store.get(["k"])
+                    stats = tier.stats()
+        assert stats.remote is not None and stats.remote.failed_writes == 4
+        said = repr(events) + str(info.value) + repr(stats)
+        assert "unknown command" in said  # the server's text is there, less the secrets
+        assert secret not in said and user not in said
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"timeout_s": float("nan")}, "timeout_s must be"),
+        ({"timeout_s": float("inf")}, "timeout_s must be"),
+        ({"timeout_s": 1e9}, "timeout_s must be"),
+        ({"ttl_s": float("nan")}, "ttl_s must be"),
+        ({"ttl_s": float("inf")}, "ttl_s must be"),
+        ({"ttl_s": 1e16}, "ttl_s must be"),  # past what the server takes in ms
+        ({"protocol": 4}, "protocol must be 2 or 3"),
+        ({"protocol": 4, "direct_reads": False}, "protocol must be 2 or 3"),
+        ({"ssl_cert_reqs": "bogus"}, "refuses"),
+    ],
+)
+def test_options_nobody_could_use_are_refused_as_config_errors(
+    options: dict[str, Any], words: str
+) -> None:
+    """(An attacker's trial: these escaped as ValueError, OverflowError or redis-py's own
+    errors, or were taken and made every write fail.)"""
+    from asyncpin import ConfigError
+
+    with pytest.raises(ConfigError, match=words):
+        RedisStore("redis://127.0.0.1:1/0", **options)
+
+
+def test_client_side_caching_is_refused_on_the_direct_paths() -> None:
+    """redis-py's client-side caching wraps its connections in a proxy with no socket of
+    its own: the direct paths could never use it (every write failed)."""
+    from redis.cache import CacheConfig
+
+    from asyncpin import ConfigError
+
+    with pytest.raises(ConfigError, match="direct path's blocking client refuses"):
+        RedisStore("redis://127.0.0.1:1/0", protocol=3, cache_config=CacheConfig())
+    RedisStore("redis://127.0.0.1:1/0", protocol=3, cache_config=CacheConfig(), direct_reads=False)
+
+
+@pytest.mark.redis
+async def test_a_closed_store_is_refused_by_the_next_tier(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """A tier closes its store when it is left; a second tier given the same store is
+    refused at once (review: its direct writes and reads all failed, the tier degraded,
+    while redis-py's own calls reconnected)."""
+    from asyncpin import ConfigError
+
+    store = RedisStore(redis_server.url, timeout_s=2.0)
+    async with remote_tier(redis_server.url, redis_keyspace, store=store) as (tier, layout):
+        await stored_and_forgotten(tier, layout, [1])
+    assert store.closed
+    with pytest.raises(ConfigError, match="is closed"):
+        async with remote_tier(redis_server.url, redis_keyspace, store=store):
+            pass
+    with pytest.raises(RemoteError, match="closed"):
+        await store.get(["k"])

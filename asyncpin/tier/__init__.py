@@ -350,6 +350,12 @@ class KVTier:
         if self.remote is not None:
             if self._entered:
                 raise RuntimeError("a tier with a remote store is entered once")
+            if getattr(self.remote.store, "closed", False) is True:
+                # The tier closes its store when it is left: a store serves one tier.
+                raise ConfigError(
+                    f"{self.remote.store!r} is closed (a tier closes its remote store when "
+                    "it is left): make a new store for this tier"
+                )
             if isinstance(self.remote.store, RedisStore):
                 import asyncio
 

@@ -34,6 +34,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import math
 import re
 import ssl
 import struct
@@ -135,14 +136,14 @@ class RedisStore:
             import redis.exceptions
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise ImportError("RedisStore needs redis-py: pip install 'asyncpin[remote]'") from exc
-        if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or timeout_s <= 0:
-            raise ConfigError(f"timeout_s must be a number > 0, got {timeout_s!r}")
-        if ttl_s is not None and (
-            not isinstance(ttl_s, int | float) or isinstance(ttl_s, bool) or ttl_s <= 0
-        ):
-            raise ConfigError(f"ttl_s must be a number > 0 or None, got {ttl_s!r}")
+        if not _finite(timeout_s, 0, _MAX_TIMEOUT_S):
+            raise ConfigError(f"timeout_s must be a number > 0, a day at most, got {timeout_s!r}")
+        if ttl_s is not None and not _finite(ttl_s, 0, _MAX_TTL_S):
+            raise ConfigError(f"ttl_s must be a finite number > 0 or None, got {ttl_s!r}")
         if client_options.get("decode_responses"):
             raise ConfigError("decode_responses=True would decode the blocks' bytes as text")
+        if client_options.get("protocol") not in (None, 2, 3, "2", "3"):
+            raise ConfigError(f"protocol must be 2 or 3, got {client_options['protocol']!r}")
         self._timeout_s = float(timeout_s)
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         options: dict[str, Any] = {
@@ -151,6 +152,9 @@ class RedisStore:
             **client_options,
         }
         self._where = _where(url)
+        # What the server may quote back in an error (a HELLO's or an AUTH's arguments):
+        # taken out of every message of ours, as the URL's credentials are.
+        self._secrets = _secrets_of(url, client_options)
         try:
             if cluster:
                 self._client: Any = redis.asyncio.cluster.RedisCluster.from_url(url, **options)
@@ -162,7 +166,7 @@ class RedisStore:
                     redis.backoff.NoBackoff(), 1, (redis.exceptions.ConnectionError,)
                 )
                 self._client = redis.asyncio.Redis.from_url(url, **{"retry": retry, **options})
-        except (ValueError, TypeError):
+        except Exception:  # ValueError, TypeError, redis-py's own errors of an option
             raise ConfigError(f"not a usable Redis URL or option for {self._where}") from None
         self.cluster = cluster
         if direct_reads is None:
@@ -195,12 +199,17 @@ class RedisStore:
         self._closed = False
         if direct_reads or direct_writes:
             try:  # an option the blocking client's connections refuse: now, not per call
-                self._idle.append(self._new_connection())
-            except (ValueError, TypeError):
+                conn = self._new_connection()
+            except Exception:
+                conn = None
+            # A connection of another kind (client-side caching's proxy, say) has no
+            # socket of its own for the direct path to read and write.
+            if conn is None or not hasattr(conn, "_sock"):
                 raise ConfigError(
                     f"an option for {self._where} that the direct path's blocking client "
                     "refuses: pass direct_reads=False, direct_writes=False"
                 ) from None
+            self._idle.append(conn)
 
     def __repr__(self) -> str:
         return f"<RedisStore {self._where}{' cluster' if self.cluster else ''}>"
@@ -213,6 +222,8 @@ class RedisStore:
         out although nobody cancelled the caller (asyncio's timeouts inside the client
         racing ours) ends that task, and is a failed operation here, not a cancellation
         of the caller. A cancellation of the caller goes on as itself."""
+        if self._closed:
+            raise RemoteError(f"{what} on {self._where} failed: the store is closed")
         outcome: list[Any] = []
 
         from redis.exceptions import ResponseError
@@ -334,7 +345,7 @@ class RedisStore:
                         sizes[i] = got
             if error is not None:
                 said = error.decode(errors="replace")
-                failure = RemoteError(f"GET on {self._where} failed: {_redact(said)}")
+                failure = RemoteError(f"GET on {self._where} failed: {self._redact(said)}")
         except Exception as exc:
             failure = self._failure("GET", exc)
         if failure is not None:
@@ -404,7 +415,7 @@ class RedisStore:
                 for i in range(len(items)):
                     said = wire.status()
                     if said is not None:
-                        errors[i] = _redact(said.decode(errors="replace"))
+                        errors[i] = self._redact(said.decode(errors="replace"))
         except Exception as exc:
             failure = self._failure("SET", exc)
         if failure is not None:
@@ -442,10 +453,19 @@ class RedisStore:
                 else:
                     self._idle.append(conn)
 
+    def _redact(self, message: str) -> str:
+        """A server's or the client's message without the credentials (``_redact``)."""
+        return _redact(message, self._secrets)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` was called: a closed store reads and writes nothing."""
+        return self._closed
+
     def _failure(self, what: str, exc: Exception) -> RemoteError:
         """A failure of the client as a RemoteError naming the server, never its
         credentials."""
-        said = f" ({_redact(str(exc))})" if str(exc) else ""
+        said = f" ({self._redact(str(exc))})" if str(exc) else ""
         return RemoteError(f"{what} on {self._where} failed: {type(exc).__name__}{said}")
 
     def _new_connection(self) -> Any:
@@ -495,11 +515,40 @@ def _where(url: str) -> str:
         return "<a Redis URL>"
 
 
-def _redact(message: str) -> str:
-    """A server's error message, without anything that looks like a URL's credentials."""
+def _redact(message: str, secrets: Sequence[str] = ()) -> str:
+    """A server's error message, without anything that looks like a URL's credentials
+    nor any of ``secrets`` (a password the server quotes back, say)."""
     import re
 
+    for secret in secrets:
+        message = message.replace(secret, "***")
     return re.sub(r"//[^@/\s]*@", "//***@", message)[:200]
+
+
+def _secrets_of(url: str, options: Mapping[str, Any]) -> list[str]:
+    """The credentials of a URL and of the client's options, longest first."""
+    from urllib.parse import unquote, urlsplit
+
+    found = [options.get("password"), options.get("username")]
+    try:
+        parts = urlsplit(url)
+        found += [parts.password, parts.username]
+        found += [unquote(s) for s in (parts.password, parts.username) if s]
+    except ValueError:
+        pass
+    secrets = {s for s in found if isinstance(s, str) and s}
+    return sorted(secrets, key=len, reverse=True)
+
+
+_MAX_TIMEOUT_S = 86_400.0  # a day: a socket's timeout must be a finite float
+_MAX_TTL_S = 9_000_000_000_000_000 / 1000  # an expiry in ms the server takes (< 2**63)
+
+
+def _finite(value: object, low: float, high: float) -> bool:
+    """Whether ``value`` is an int or float (not a bool) with ``low < value <= high``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return math.isfinite(value) and low < value <= high
 
 
 _SMALL_PART = 64 << 10  # a value's part under this is gathered with the command's text
@@ -1297,11 +1346,13 @@ def _connect(conn: Any, deadline: float, check_cancelled: Callable[[], None]) ->
     """Connect ``conn`` (redis-py's connect and handshake, which no deadline of ours
     reaches: a server that drips its replies would hold it without end; a no-op when it
     is connected and has no stray bytes) in a thread of its own, while this one looks at
-    the deadline and ``check_cancelled`` every ``_Wire.POLL_S``. Past them, ``conn`` is
-    shut until that thread gives up (its socket closed under it), then the error is
-    raised."""
+    the deadline and ``check_cancelled`` every ``_Wire.POLL_S``. Past them, the error is
+    raised at once and ``conn`` given up: shut now if it has a socket, else by that
+    thread once its connect returns (a TCP connect or a name lookup that no one answers
+    is not cut short by a close; the thread touches nothing but ``conn``)."""
     failed: list[BaseException] = []
     over = threading.Event()
+    given_up = threading.Event()
 
     def connect() -> None:
         try:
@@ -1317,6 +1368,9 @@ def _connect(conn: Any, deadline: float, check_cancelled: Callable[[], None]) ->
             failed.append(exc)
         finally:
             over.set()
+            if given_up.is_set():  # nobody waits for it: shut what it made
+                with contextlib.suppress(Exception):
+                    conn.disconnect()
 
     threading.Thread(target=connect, name="asyncpin-redis-connect", daemon=True).start()
     try:
@@ -1325,9 +1379,8 @@ def _connect(conn: Any, deadline: float, check_cancelled: Callable[[], None]) ->
             if time.monotonic() > deadline:
                 raise TimeoutError("connecting outlived 4 times the timeout")
     except BaseException:
-        while not over.wait(_Wire.POLL_S):
-            conn.disconnect()  # its socket, once it has one
-        conn.disconnect()
+        given_up.set()  # then ``over``: one of the two sides sees the other's flag
+        conn.disconnect()  # its socket, if it has one (the thread's reads then fail)
         raise
     if failed:
         conn.disconnect()
