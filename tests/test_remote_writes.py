@@ -109,6 +109,46 @@ def test_a_reply_that_is_no_reply_to_set_is_an_error(wire_bytes: bytes) -> None:
             _Wire(a, float("inf"), lambda: None).status()
 
 
+_PUSH = (
+    b">4\r\n$10\r\ninvalidate\r\n*2\r\n$3\r\nkey\r\n$4\r\nkey2\r\n"
+    b"%1\r\n+at\r\n:1\r\n|1\r\n+ttl\r\n:3\r\n,1.5\r\n"
+)
+
+
+@pytest.mark.parametrize("pushes", [1, 3])
+def test_resp3_pushes_before_a_reply_are_read_and_dropped(pushes: int) -> None:
+    """A RESP3 push (a server's out-of-band notice) before a reply to SET or GET is
+    dropped, and the reply read as if it were not there (review: every write and read
+    on such a connection failed, the tier degraded for good)."""
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(5)
+        b.sendall(_PUSH * pushes + b"+OK\r\n" + _PUSH * pushes + b"$5\r\nhello\r\n")
+        wire = _Wire(a, float("inf"), lambda: None)
+        assert wire.status() is None
+        head = memoryview(bytearray(8))
+        assert wire.value_into(head, lambda size: None) == 5
+        assert bytes(head[:5]) == b"hello"
+
+
+@pytest.mark.parametrize(
+    "push",
+    [
+        b">1\r\n" * 20 + b":1\r\n",  # nested past the bounds
+        b">1\r\n$%d\r\n" % (2 << 20),  # a pushed value of 2 MiB
+        b">2000\r\n",  # more elements than a notice holds
+        b">1\r\n?what\r\n",  # not RESP
+    ],
+)
+def test_a_push_past_its_bounds_is_an_error(push: bytes) -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(5)
+        b.sendall(push + b"+OK\r\n")
+        with pytest.raises(ConnectionError):
+            _Wire(a, float("inf"), lambda: None).status()
+
+
 # -- on a real server ------------------------------------------------------------------------
 
 

@@ -611,7 +611,7 @@ class _Wire:
 
     def status(self) -> bytes | None:
         """The next reply to a SET: None for OK, an error reply's text (bytes)."""
-        line = self._line()
+        line = self._reply_line()
         if line == b"+OK":
             return None
         if line[:1] == b"-":
@@ -644,6 +644,48 @@ class _Wire:
         line, self._buf = self._buf[:end], self._buf[end + 2 :]
         return line
 
+    _MAX_PUSH_DEPTH = 8  # RESP3 pushes: nesting, elements and bytes a push may hold
+    _MAX_PUSH_ITEMS = 1024
+    _MAX_PUSH_BYTES = 1 << 20
+
+    def _reply_line(self) -> bytes:
+        """The next reply's first line, past any RESP3 push before it (an out-of-band
+        message of the server's, a client-side caching or maintenance notice: read and
+        dropped)."""
+        while (line := self._line())[:1] == b">":
+            self._skip(line, 0)
+        return line
+
+    def _skip(self, line: bytes, depth: int) -> None:
+        """Read and drop the RESP3 value whose first line is ``line``, within the push
+        bounds above (past them, or not RESP3: ConnectionError)."""
+        kind, rest = line[:1], line[1:]
+        count = int(rest) if rest.isdigit() else -1 if rest == b"-1" else None
+        if kind and kind in b"+-:,#_(":  # one line
+            return
+        if kind and kind in b"$!=" and count is not None:  # a size, then bytes and CRLF
+            if count > self._MAX_PUSH_BYTES:
+                raise ConnectionError(f"a pushed value of {count} bytes")
+            self._drop(count + 2 if count >= 0 else 0)
+            return
+        if kind and kind in b"*~>%|" and count is not None:  # aggregates of count items
+            items = count * 2 if kind in b"%|" else count
+            if depth >= self._MAX_PUSH_DEPTH or items > self._MAX_PUSH_ITEMS:
+                raise ConnectionError("a pushed value nested or long past its bounds")
+            for _ in range(max(items, 0)):
+                self._skip(self._line(), depth + 1)
+            if kind == b"|":  # attributes come before a value of their own
+                self._skip(self._line(), depth + 1)
+            return
+        raise ConnectionError(f"not a RESP reply: {line[:40]!r}")
+
+    def _drop(self, left: int) -> None:
+        """Read ``left`` bytes and drop them."""
+        drop = memoryview(bytearray(min(left, 1 << 16)))
+        while left:
+            self._fill(drop[: min(left, len(drop))])
+            left -= min(left, len(drop))
+
     def _fill(self, view: memoryview) -> None:
         take = min(len(view), len(self._buf))
         if take:
@@ -660,7 +702,7 @@ class _Wire:
         """The next reply: a value's size (its first bytes in ``head``, the rest where
         ``body_for(size)`` says, or dropped), None (no such key), or an error reply's
         text (bytes)."""
-        line = self._line()
+        line = self._reply_line()
         kind, rest = line[:1], line[1:]
         if kind == b"-":
             return rest
@@ -677,10 +719,7 @@ class _Wire:
             part = body[: min(len(body), left)]
             self._fill(part)
             left -= len(part)
-        drop = memoryview(bytearray(min(left, 1 << 16)))
-        while left:
-            self._fill(drop[: min(left, len(drop))])
-            left -= min(left, len(drop))
+        self._drop(left)
         end = bytearray(2)
         self._fill(memoryview(end))
         if end != b"\r\n":
