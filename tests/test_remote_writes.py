@@ -645,3 +645,33 @@ async def test_a_closed_store_is_refused_by_the_next_tier(
             pass
     with pytest.raises(RemoteError, match="closed"):
         await store.get(["k"])
+
+
+@pytest.mark.redis
+async def test_prepare_fills_each_value_just_before_it_is_sent(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """``writefrom(prepare=)``: each item's parts are filled in place, in order, just
+    before that item goes (the tier makes each header's checksum while the values before
+    it are on their way); the server holds what ``prepare`` wrote."""
+    store = RedisStore(redis_server.url, timeout_s=2.0)
+    keys = [f"{redis_keyspace}p{i}" for i in range(3)]
+    heads = [memoryview(bytearray(4)) for _ in keys]
+    bodies = [bytes([65 + i]) * (70 << 10) for i in range(3)]  # past the gathered size
+    called: list[int] = []
+
+    def prepare(i: int) -> None:
+        assert called == list(range(i))  # in order, once each
+        called.append(i)
+        heads[i][:] = b"H%03d" % i
+
+    try:
+        items: list[tuple[str, tuple[bytes | memoryview, ...]]] = [
+            (key, (head, body)) for key, head, body in zip(keys, heads, bodies, strict=True)
+        ]
+        assert store.writefrom(items, prepare=prepare) == [None, None, None]
+        assert called == [0, 1, 2]
+        for i, key in enumerate(keys):
+            assert redis_server.command("GET", key) == b"H%03d" % i + bodies[i]
+    finally:
+        await store.aclose()

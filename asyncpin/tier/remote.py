@@ -363,6 +363,7 @@ class RedisStore:
         items: Sequence[tuple[str, Sequence[bytes | memoryview]]],
         *,
         check_cancelled: Callable[[], None] = lambda: None,
+        prepare: Callable[[int], None] | None = None,
     ) -> list[str | None]:
         """Blocking: run it in a worker thread. SET of each key to its parts, joined on
         the wire: each part goes from its own memory to the socket with no copy on the
@@ -370,7 +371,10 @@ class RedisStore:
         (the server's text, credentials taken out; None: written). One pipeline, each
         socket wait bounded by ``timeout_s`` and the whole by 4 times it;
         ``check_cancelled`` is called at least every 50 ms while waiting (it raises to
-        stop). Any failure of the server or the connection is a RemoteError, and the
+        stop). ``prepare(i)``, if given, is called just before item ``i`` is sent, to
+        fill its parts in place (a header whose checksum is made while the values
+        before it are on their way). Any failure of the server or the connection is a
+        RemoteError, and the
         values may or may not be written; a connection left mid-command is closed,
         never reused, so the server never takes a cut value. A single node only
         (``direct_writes``)."""
@@ -394,7 +398,9 @@ class RedisStore:
         try:
             with self._wire(deadline, check_cancelled) as (conn, wire):
                 small = bytearray()
-                for (key, _), parts in zip(items, values, strict=True):
+                for i, ((key, _), parts) in enumerate(zip(items, values, strict=True)):
+                    if prepare is not None:
+                        prepare(i)
                     name = conn.encoder.encode(key)  # as redis-py spells it (``encoding=``)
                     size = sum(len(part) for part in parts)
                     small += b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
@@ -1049,26 +1055,34 @@ class RemoteLink:
 
             for block_hash, block in held:
                 payload = read_block(block)
-                if not direct:  # one copy: the host block into the value, after its header
-                    value = memoryview(bytearray(HEADER_BYTES + self.nbytes))
-                    # NumPy's copy lets go of the GIL; a memoryview's slice assignment
-                    # holds it.
-                    np.copyto(
-                        np.frombuffer(value[HEADER_BYTES:], dtype=np.uint8),
-                        np.frombuffer(payload, dtype=np.uint8),
-                    )
-                    payload = value[HEADER_BYTES:]
-                header = encode_header(payload, self.print_, hash_digest(block_hash))
-                if direct:
-                    items.append((self.key_of(block_hash), (header, payload)))
-                else:
-                    value[:HEADER_BYTES] = header
-                    items.append((self.key_of(block_hash), (value,)))
+                key = self.key_of(block_hash)
+                if direct:  # the header made by ``prepare``, just before its value goes
+                    items.append((key, (memoryview(bytearray(HEADER_BYTES)), payload)))
+                    continue
+                # One copy: the host block into the value, after its header. NumPy's copy
+                # lets go of the GIL; a memoryview's slice assignment holds it.
+                value = memoryview(bytearray(HEADER_BYTES + self.nbytes))
+                np.copyto(
+                    np.frombuffer(value[HEADER_BYTES:], dtype=np.uint8),
+                    np.frombuffer(payload, dtype=np.uint8),
+                )
+                digest = hash_digest(block_hash)
+                value[:HEADER_BYTES] = encode_header(value[HEADER_BYTES:], self.print_, digest)
+                items.append((key, (value,)))
             return items
 
         def send() -> list[str | None]:
             writefrom: Callable[..., list[str | None]] = cast(Any, self.store).writefrom
-            return writefrom(values(), check_cancelled=anyio.from_thread.check_cancelled)
+            items = values()
+
+            def prepare(i: int) -> None:  # the checksum of one block while the last goes
+                header, payload = items[i][1]
+                digest = hash_digest(held[i][0])
+                cast(memoryview, header)[:] = encode_header(payload, self.print_, digest)
+
+            return writefrom(
+                items, check_cancelled=anyio.from_thread.check_cancelled, prepare=prepare
+            )
 
         counted = False
         try:
