@@ -474,7 +474,7 @@ async def test_a_prefix_goes_and_comes_back_over_tls(
 
 
 @contextlib.contextmanager
-def _never_accepting() -> Iterator[int]:
+def _never_accepting() -> Iterator[tuple[int, socket.socket]]:
     """A loopback port whose listener never accepts and whose backlog is full: a connect
     to it waits (the kernel drops its SYNs) until its own timeout."""
     listener = socket.create_server(("127.0.0.1", 0), backlog=0)
@@ -491,7 +491,7 @@ def _never_accepting() -> Iterator[int]:
                 break
         else:
             pytest.skip("the backlog of a listener never filled")
-        yield port
+        yield port, listener
     finally:
         for sock in [*fillers, listener]:
             sock.close()
@@ -502,7 +502,7 @@ async def test_leaving_never_waits_for_a_connect_nobody_answers(direct: bool) ->
     """A server that never accepts: leaving the tier takes the flush's deadline, not the
     connect's timeout (review: the direct paths waited for their connect thread), and a
     restore cancelled meanwhile returns at once."""
-    with _never_accepting() as port:
+    with _never_accepting() as (port, _):
         store = RedisStore(f"redis://127.0.0.1:{port}", timeout_s=10.0, direct_reads=direct)
         with anyio.fail_after(TIMEOUT_S):
             async with remote_tier(
@@ -599,6 +599,8 @@ async def test_a_password_the_server_quotes_back_never_shows(direct: bool, where
         ({"ttl_s": float("nan")}, "ttl_s must be"),
         ({"ttl_s": float("inf")}, "ttl_s must be"),
         ({"ttl_s": 1e16}, "ttl_s must be"),  # past what the server takes in ms
+        ({"ttl_s": 10**400}, "ttl_s must be"),  # past any float (review: OverflowError)
+        ({"timeout_s": 10**400}, "timeout_s must be"),
         ({"protocol": 4}, "protocol must be 2 or 3"),
         ({"protocol": 4, "direct_reads": False}, "protocol must be 2 or 3"),
         ({"ssl_cert_reqs": "bogus"}, "refuses"),
@@ -639,6 +641,12 @@ async def test_a_closed_store_is_refused_by_the_next_tier(
     store = RedisStore(redis_server.url, timeout_s=2.0)
     async with remote_tier(redis_server.url, redis_keyspace, store=store) as (tier, layout):
         await stored_and_forgotten(tier, layout, [1])
+        # Nor while the first serves (review: the second's exit closed it under the first).
+        with pytest.raises(ConfigError, match="serves another tier"):
+            async with remote_tier(redis_server.url, redis_keyspace, store=store):
+                pass
+        assert not store.closed
+        await stored_and_forgotten(tier, layout, [2])
     assert store.closed
     with pytest.raises(ConfigError, match="is closed"):
         async with remote_tier(redis_server.url, redis_keyspace, store=store):
@@ -675,3 +683,64 @@ async def test_prepare_fills_each_value_just_before_it_is_sent(
             assert redis_server.command("GET", key) == b"H%03d" % i + bodies[i]
     finally:
         await store.aclose()
+
+
+def test_a_connect_given_up_is_reaped_when_it_connects_later() -> None:
+    """A connect given up while its SYN waits in a full backlog, whose server accepts it
+    later and then drips its handshake's reply without end: the connect thread does not
+    live on (review: it did, with its socket, for every call given up so)."""
+    from asyncpin.tier.remote import _connect
+
+    stop = threading.Event()
+
+    def drip(client: socket.socket) -> None:
+        with client, contextlib.suppress(OSError):
+            client.sendall(b"+")  # a reply line that never ends, whatever was sent
+            while not stop.wait(0.02):
+                client.sendall(b"O")
+
+    with _never_accepting() as (port, listener):
+        store = RedisStore(f"redis://127.0.0.1:{port}", timeout_s=30.0, direct_reads=False)
+        conn = store._new_connection()
+        before = set(threading.enumerate())
+        with pytest.raises(TimeoutError):
+            _connect(conn, time.monotonic() + 0.2, lambda: None)
+        (connecting,) = [t for t in set(threading.enumerate()) - before if "connect" in t.name]
+        drippers = []
+
+        def accept() -> None:  # every connection now, the given-up one among them
+            listener.settimeout(0.05)
+            while not stop.is_set():
+                try:
+                    client, _ = listener.accept()
+                except (TimeoutError, OSError):
+                    continue
+                drippers.append(threading.Thread(target=drip, args=(client,), daemon=True))
+                drippers[-1].start()
+
+        acceptor = threading.Thread(target=accept, daemon=True)
+        acceptor.start()
+        try:
+            connecting.join(10)  # its SYN is sent again after ~1 s, then it is accepted
+            assert not connecting.is_alive()
+        finally:
+            stop.set()
+            acceptor.join()
+            for thread in drippers:
+                thread.join()
+
+
+def test_what_a_server_quotes_back_is_taken_out_whole_and_short_secrets_left_alone() -> None:
+    """Redis cuts the arguments it quotes at 128 bytes, so a long password may appear cut:
+    everything after "with args beginning with:" goes. A secret under 4 characters is
+    not searched for (review: it garbled every message, showing where it was). A URL's
+    ``?password=`` is a secret too."""
+    from asyncpin.tier.remote import _redact, _secrets_of
+
+    cut = "ERR unknown command 'HELLO', with args beginning with: '3' 'AUTH' 'u' 'LongPassw"
+    said = _redact(cut, ["LongPassw0rd-LongPassw0rd"])
+    assert "LongPassw" not in said and "unknown command 'HELLO'" in said
+    refused = "Error 111 connecting to 127.0.0.1:1. Connect call failed"
+    assert _redact(refused, _secrets_of("redis://:e@127.0.0.1:1/0", {})) == refused
+    assert "QQQQ-tail" in _secrets_of("redis://127.0.0.1:1/0?password=QQQQ-tail", {})
+    assert _redact("auth QQQQ-tail refused", ["QQQQ-tail"]) == "auth *** refused"

@@ -15,6 +15,7 @@ type checking only, ``block_ids`` by the call that checks device block ids), so
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,6 +52,11 @@ if TYPE_CHECKING:  # torch: a process with the index alone never imports it
 
     from asyncpin.manager import OffloadManager
     from asyncpin.transfers import BlockIds, Method, Transfer
+
+
+# The remote stores that a tier in use serves: a store serves one tier at a time (the
+# tier closes it when it is left).
+_STORES_IN_USE: weakref.WeakSet[Any] = weakref.WeakSet()
 
 __all__ = [
     "POLICY_NAMES",
@@ -350,11 +356,12 @@ class KVTier:
         if self.remote is not None:
             if self._entered:
                 raise RuntimeError("a tier with a remote store is entered once")
-            if getattr(self.remote.store, "closed", False) is True:
+            store = self.remote.store
+            if getattr(store, "closed", False) is True or store in _STORES_IN_USE:
                 # The tier closes its store when it is left: a store serves one tier.
                 raise ConfigError(
-                    f"{self.remote.store!r} is closed (a tier closes its remote store when "
-                    "it is left): make a new store for this tier"
+                    f"{store!r} is closed or serves another tier (a tier closes its "
+                    "remote store when it is left): make a new store for this tier"
                 )
             if isinstance(self.remote.store, RedisStore):
                 import asyncio
@@ -367,18 +374,23 @@ class KVTier:
                         "loop is not asyncio's"
                     )
             self._entered = True
-            rows = self.manager.host_bytes()
-            self._rows = rows
+            _STORES_IN_USE.add(store)
+            try:
+                rows = self.manager.host_bytes()
+                self._rows = rows
 
-            def read_block(block: int) -> memoryview:
-                return rows[block].numpy().data
+                def read_block(block: int) -> memoryview:
+                    return rows[block].numpy().data
 
-            tasks = anyio.create_task_group()
-            await tasks.__aenter__()
-            self._tasks = tasks
-            await tasks.start(
-                self._write_behind, self.remote, read_block, self._hold, self._release
-            )
+                tasks = anyio.create_task_group()
+                await tasks.__aenter__()
+                self._tasks = tasks
+                await tasks.start(
+                    self._write_behind, self.remote, read_block, self._hold, self._release
+                )
+            except BaseException:
+                _STORES_IN_USE.discard(store)
+                raise
         return self
 
     @staticmethod
@@ -425,8 +437,14 @@ class KVTier:
                 suppress = await tasks.__aexit__(exc_type, exc, tb)  # the writer drops the rest
             finally:
                 self._rows = None
-                with anyio.CancelScope(shield=True), anyio.move_on_after(self._flush_timeout_s):
-                    await remote.store.aclose()
+                try:
+                    with (
+                        anyio.CancelScope(shield=True),
+                        anyio.move_on_after(self._flush_timeout_s),
+                    ):
+                        await remote.store.aclose()
+                finally:
+                    _STORES_IN_USE.discard(remote.store)
         return suppress
 
     def lookup(self, hashes: Iterable[BlockHash]) -> int:

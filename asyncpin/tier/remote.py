@@ -522,24 +522,31 @@ def _where(url: str) -> str:
 
 
 def _redact(message: str, secrets: Sequence[str] = ()) -> str:
-    """A server's error message, without anything that looks like a URL's credentials
-    nor any of ``secrets`` (a password the server quotes back, say)."""
+    """A server's error message, without anything that looks like a URL's credentials,
+    without the arguments a server quotes back (Redis: "with args beginning with: ...",
+    cut at 128 bytes, so a secret among them may not be whole), and without any of
+    ``secrets`` of 4 characters or more (a shorter one would garble the message, and
+    show where it was)."""
     import re
 
+    message = re.sub(r"(?i)(with args beginning with:).*", r"\1 ***", message)
     for secret in secrets:
-        message = message.replace(secret, "***")
+        if len(secret) >= 4:
+            message = message.replace(secret, "***")
     return re.sub(r"//[^@/\s]*@", "//***@", message)[:200]
 
 
 def _secrets_of(url: str, options: Mapping[str, Any]) -> list[str]:
     """The credentials of a URL and of the client's options, longest first."""
-    from urllib.parse import unquote, urlsplit
+    from urllib.parse import parse_qs, unquote, urlsplit
 
     found = [options.get("password"), options.get("username")]
     try:
         parts = urlsplit(url)
         found += [parts.password, parts.username]
         found += [unquote(s) for s in (parts.password, parts.username) if s]
+        query = parse_qs(parts.query)  # redis-py takes ?password= and ?username= too
+        found += query.get("password", []) + query.get("username", [])
     except ValueError:
         pass
     secrets = {s for s in found if isinstance(s, str) and s}
@@ -554,7 +561,10 @@ def _finite(value: object, low: float, high: float) -> bool:
     """Whether ``value`` is an int or float (not a bool) with ``low < value <= high``."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return False
-    return math.isfinite(value) and low < value <= high
+    try:
+        return low < value <= high and math.isfinite(value)
+    except OverflowError:  # an int past any float
+        return False
 
 
 _SMALL_PART = 64 << 10  # a value's part under this is gathered with the command's text
@@ -1434,6 +1444,14 @@ def _connect(conn: Any, deadline: float, check_cancelled: Callable[[], None]) ->
     except BaseException:
         given_up.set()  # then ``over``: one of the two sides sees the other's flag
         conn.disconnect()  # its socket, if it has one (the thread's reads then fail)
+        if not over.is_set():  # a socket it makes later is shut too, by a reaper
+
+            def reap() -> None:
+                while not over.wait(_Wire.POLL_S):
+                    with contextlib.suppress(Exception):
+                        conn.disconnect()
+
+            threading.Thread(target=reap, name="asyncpin-redis-reap", daemon=True).start()
         raise
     if failed:
         conn.disconnect()
