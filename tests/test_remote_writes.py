@@ -617,6 +617,16 @@ def test_options_nobody_could_use_are_refused_as_config_errors(
         RedisStore("redis://127.0.0.1:1/0", **options)
 
 
+@pytest.mark.parametrize("direct_reads", [True, False])
+def test_a_protocol_in_the_urls_query_is_checked_too(direct_reads: bool) -> None:
+    """(Review: ``?protocol=4`` got past the check with the direct paths off.)"""
+    from asyncpin import ConfigError
+
+    with pytest.raises(ConfigError, match="protocol must be 2 or 3"):
+        RedisStore("redis://127.0.0.1:1/0?protocol=4", direct_reads=direct_reads)
+    assert RedisStore("redis://127.0.0.1:1/0?protocol=3", direct_reads=direct_reads)
+
+
 def test_client_side_caching_is_refused_on_the_direct_paths() -> None:
     """redis-py's client-side caching wraps its connections in a proxy with no socket of
     its own: the direct paths could never use it (every write failed)."""

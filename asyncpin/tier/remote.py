@@ -142,8 +142,9 @@ class RedisStore:
             raise ConfigError(f"ttl_s must be a finite number > 0 or None, got {ttl_s!r}")
         if client_options.get("decode_responses"):
             raise ConfigError("decode_responses=True would decode the blocks' bytes as text")
-        if client_options.get("protocol") not in (None, 2, 3, "2", "3"):
-            raise ConfigError(f"protocol must be 2 or 3, got {client_options['protocol']!r}")
+        for protocol in (client_options.get("protocol"), *_query_of(url).get("protocol", [])):
+            if protocol not in (None, 2, 3, "2", "3"):
+                raise ConfigError(f"protocol must be 2 or 3, got {protocol!r}")
         self._timeout_s = float(timeout_s)
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         options: dict[str, Any] = {
@@ -536,16 +537,26 @@ def _redact(message: str, secrets: Sequence[str] = ()) -> str:
     return re.sub(r"//[^@/\s]*@", "//***@", message)[:200]
 
 
+def _query_of(url: str) -> dict[str, list[str]]:
+    """A URL's query options (redis-py takes ``?protocol=``, ``?password=``...)."""
+    from urllib.parse import parse_qs, urlsplit
+
+    try:
+        return parse_qs(urlsplit(url).query)
+    except ValueError:
+        return {}
+
+
 def _secrets_of(url: str, options: Mapping[str, Any]) -> list[str]:
     """The credentials of a URL and of the client's options, longest first."""
-    from urllib.parse import parse_qs, unquote, urlsplit
+    from urllib.parse import unquote, urlsplit
 
     found = [options.get("password"), options.get("username")]
     try:
         parts = urlsplit(url)
         found += [parts.password, parts.username]
         found += [unquote(s) for s in (parts.password, parts.username) if s]
-        query = parse_qs(parts.query)  # redis-py takes ?password= and ?username= too
+        query = _query_of(url)  # redis-py takes ?password= and ?username= too
         found += query.get("password", []) + query.get("username", [])
     except ValueError:
         pass
