@@ -375,10 +375,9 @@ class RedisStore:
         stop). ``prepare(i)``, if given, is called just before item ``i`` is sent, to
         fill its parts in place (a header whose checksum is made while the values
         before it are on their way). Any failure of the server or the connection is a
-        RemoteError, and the
-        values may or may not be written; a connection left mid-command is closed,
-        never reused, so the server never takes a cut value. A single node only
-        (``direct_writes``)."""
+        RemoteError, and the values may or may not be written; a connection left
+        mid-command is closed, never reused, so the server never takes a cut value. A
+        single node only (``direct_writes``)."""
         if not self.direct_writes:
             raise RemoteError(f"{self!r} has direct_writes off")
         errors: list[str | None] = [None] * len(items)
