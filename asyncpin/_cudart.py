@@ -156,7 +156,7 @@ class Runtime:
             return
         for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
             code = self.lib.cudaMemcpyAsync(dst, src, size, _MEMCPY_DEFAULT, stream)
-            self._check("cudaMemcpyAsync", code)
+            self.check("cudaMemcpyAsync", code)
 
     def upload(self, dst: int, src: array.array[int], stream: int) -> None:
         """Copy ``src``, in pageable host memory, to device address ``dst`` in ``stream``'s
@@ -195,27 +195,28 @@ class Runtime:
             args.append(ctypes.byref(fail_index))
         args.append(ctypes.c_void_p(stream))
         assert self.batch is not None
-        self._check("cudaMemcpyBatchAsync", self.batch(*args))
+        self.check("cudaMemcpyBatchAsync", self.batch(*args))
 
     def event(self) -> int:
         """A raw event for ordering streams (no timing, so recording it is cheap)."""
         handle = ctypes.c_void_p()
         code = self.lib.cudaEventCreateWithFlags(ctypes.byref(handle), _EVENT_DISABLE_TIMING)
-        self._check("cudaEventCreateWithFlags", code)
+        self.check("cudaEventCreateWithFlags", code)
         return int(handle.value or 0)
 
     def record(self, event: int, stream: int) -> None:
-        self._check("cudaEventRecord", self.lib.cudaEventRecord(event, stream))
+        self.check("cudaEventRecord", self.lib.cudaEventRecord(event, stream))
 
     def wait(self, stream: int, event: int) -> None:
         """Work queued on ``stream`` from now on waits for ``event``'s latest record (the
         one made before this call: recording the event again later changes nothing)."""
-        self._check("cudaStreamWaitEvent", self.lib.cudaStreamWaitEvent(stream, event, 0))
+        self.check("cudaStreamWaitEvent", self.lib.cudaStreamWaitEvent(stream, event, 0))
 
     def destroy(self, event: int) -> None:
         self.lib.cudaEventDestroy(event)  # released once pending work no longer needs it
 
-    def _check(self, op: str, code: int) -> None:
+    def check(self, op: str, code: int) -> None:
+        """Raise :class:`~asyncpin.errors.BackendCallError` for a failed call's ``code``."""
         if code != 0:
             self.lib.cudaGetLastError()  # consume it: it must not resurface later
             name, text = _error_name(self.lib, code)

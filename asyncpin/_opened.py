@@ -60,8 +60,8 @@ class Opened:
     ) -> Opened:
         """Map the region and make the pipeline; for KV, the engine and its router, and
         prepare the engine in a worker thread, unless it prepares in the background
-        (``prepare_in_background``: the CUDA engine, whose Triton import, kernel compile
-        and device buffers take up to seconds). Nothing is started (``start()``)."""
+        (``prepare_in_background``: the CUDA engine, whose kernel load and device
+        buffers take up to a second in a fresh process). Nothing is started (``start()``)."""
         region = _map_region(config, backend, log)
         if config.attach and config.chunk_default:
             # The region's size is known only now.

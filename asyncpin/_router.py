@@ -214,8 +214,8 @@ class TransferRouter:
     def check_method(self, method: object) -> Method:
         """The method a transfer asking for ``method`` runs with: itself where the engine
         has it, else ``auto`` (an engine without it: the host engine, or a CUDA engine
-        without Triton; logged once a method), so that code naming a method runs on any
-        machine. InvalidTransferError for a name that is no method."""
+        whose runtime cannot load the copy kernel; logged once a method), so that code
+        naming a method runs on any machine. InvalidTransferError for a name that is no method."""
         if method not in METHODS:
             raise InvalidTransferError(f"method {method!r} is no method; use one of {METHODS}")
         if method == "auto" or method in self.engine.methods():

@@ -42,10 +42,17 @@ def cpu_engine(
     host_registered: bool = True,
 ) -> Iterator[CudaTransferEngine]:
     """The engine as the manager makes it (call it on the event loop), its copy kernel
-    ``kernel`` (None: no Triton). Its threads end on exit."""
+    ``kernel`` (None: a runtime without the call to load one; an exception: its load
+    raises it). Its threads end on exit."""
     monkeypatch.setattr(ct, "Runtime", lambda: SimpleNamespace())
-    monkeypatch.setattr(ct, "load_kernel", lambda: kernel)
-    monkeypatch.setattr(ct, "kernel_importable", lambda: kernel is not None)
+
+    def load_kernel(rt: Any) -> Any:
+        if isinstance(kernel, BaseException):
+            raise kernel
+        return kernel
+
+    monkeypatch.setattr(ct, "load_kernel", load_kernel)
+    monkeypatch.setattr(ct, "kernel_available", lambda rt: kernel is not None)
     host = torch.zeros(host_blocks, layout.host_block_bytes, dtype=torch.uint8)
     assert host.data_ptr() % 16 == 0  # as the region is (page-aligned)
     setup = EngineSetup(layout, host, chunk_bytes, start_soon, host_registered=host_registered)

@@ -22,6 +22,7 @@ from structlog.testing import capture_logs
 
 from asyncpin import KVLayout, Transfer
 from asyncpin.engines.cuda import KERNEL_WORD, CudaTransferEngine, kernel_misalignment
+from asyncpin.errors import BackendCallError
 from asyncpin.transfers import TransferJob
 from tests.cuda_engine_cpu import cpu_engine, offset_layout
 
@@ -154,6 +155,27 @@ class TestEngineChoice:
         ]
         assert "device array 0's address" in events[0]["reason"]
         assert [e["requested"] for e in events[1:]] == ["pack", "kernel"]
+
+    async def test_a_kernel_the_runtime_cannot_load_runs_as_batch(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The load failed (a driver too old for the PTX, say): the methods offered at
+        construction run as batch, and the first request of each says why."""
+        failure = BackendCallError("cudaLibraryLoadData", 218, "cudaErrorInvalidPtx", "bad")
+        layout = offset_layout(0, 112)
+        with capture_logs() as logs, cpu_engine(monkeypatch, layout, kernel=failure) as engine:
+            assert engine.methods() == ("batch", "pack", "kernel")
+            assert engine._copies.kernel is None
+            for method in ("auto", "pack", "kernel", "pack"):
+                for blocks in (100, 1):
+                    assert engine._choose(_job(method, blocks), pageable=False) == "batch"
+        events = [e for e in logs if e["event"].startswith("transfer.")]
+        assert [(e["event"], e["requested"]) for e in events] == [
+            ("transfer.method_fallback", "pack"),
+            ("transfer.method_fallback", "kernel"),
+        ]
+        assert "could not be loaded" in events[0]["reason"]
+        assert "cudaErrorInvalidPtx" in events[0]["reason"]
 
     @pytest.mark.parametrize("block", [100, 113])
     async def test_blocks_not_whole_words_run_as_batch(

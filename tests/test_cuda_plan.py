@@ -8,7 +8,9 @@ to two streams."""
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Iterator, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -516,38 +518,63 @@ def test_is_run(ids: list[int], run: bool) -> None:
     assert is_run(ids) is run
 
 
-class TestPreparedLaunches:
-    """Launches skip the JIT function only on the tested Triton, and only when prepare's
-    launches of each direction all returned one compiled kernel."""
+class TestLaunchArguments:
+    """``CopyMethods.launch`` hands the copy kernel its PTX parameters, in their order,
+    as 64-bit integers: a mismatch would read garbage addresses on the device."""
 
     @staticmethod
-    def _methods() -> Any:
+    def _params() -> list[str]:
+        from asyncpin.engines.cuda.kernel import KV_COPY_PTX
+
+        return re.findall(r"\.param \.u64 (\w+)", KV_COPY_PTX)
+
+    @pytest.mark.parametrize("slot", [False, True])
+    @pytest.mark.parametrize("to_host", [True, False])
+    def test_arguments_follow_the_kernel_parameters(self, slot: bool, to_host: bool) -> None:
         from asyncpin.engines.cuda.methods import CopyMethods
 
-        return CopyMethods(object(), _plan(64, 1 << 20), None)  # type: ignore[arg-type]
+        launches: list[tuple[Any, ...]] = []
 
-    @pytest.mark.parametrize("tested", [True, False])
-    def test_one_variant_per_direction(self, monkeypatch: pytest.MonkeyPatch, tested: bool) -> None:
-        import asyncpin.engines.cuda.methods as m
+        class Kernel:
+            def launch(self, stream: int, grid: int, args: Any, *, to_host: bool) -> None:
+                launches.append((stream, grid, args, to_host))
 
-        monkeypatch.setattr(m, "direct_launch_tested", lambda: tested)
-        copies = self._methods()
-        store: dict[Any, Any] = {}  # anything with __getitem__, as a compiled kernel has
-        load: dict[Any, Any] = {}
-        copies.prepared_launches({True: [store, store, store], False: [load, load]})
-        assert copies._direct is tested
-        assert copies._compiled == ({True: store, False: load} if tested else {})
+        plan = _plan(64 * 4, 1 << 20, arrays=4)
+        copies = CopyMethods(object(), plan, Kernel())  # type: ignore[arg-type]
+        copies.to_device(torch.device("cpu"), 16)
+        gpu, cpu = torch.tensor([3, 4, 5]), torch.tensor([7, 8, 9])
+        stream = SimpleNamespace(cuda_stream=1234)
+        copies.launch(
+            stream,  # type: ignore[arg-type]
+            gpu,
+            cpu,
+            BASE + 4096,
+            to_host=to_host,
+            ctas=2,
+            arrays=range(1, 3),
+            slot=slot,
+        )
+        [(on, grid, args, direction)] = launches
+        assert (on, grid, direction) == (1234, 2, to_host)
+        params = self._params()
+        assert params[-1] == "to_host" and len(args) == len(params) - 1
+        given = dict(zip(params, args, strict=False))
+        tables = copies._tables
+        offset, stride = plan.span(range(1, 3)) if slot else (0, plan.host_stride)
+        assert given == {
+            "gpu_ids": gpu.data_ptr(),
+            "cpu_ids": cpu.data_ptr(),
+            "array_ptrs": tables[0].data_ptr(),
+            "array_strides": tables[1].data_ptr(),
+            "array_words": tables[2].data_ptr(),
+            "array_offsets": tables[3].data_ptr(),
+            "host_base": BASE + 4096 - offset,
+            "host_stride": stride,
+            "first_array": 1,
+            "n_segments": 3 * 2,
+            "n_arrays": 2,
+        }
+        assert tables[2].tolist() == [8] * 4  # each array's 64-byte block: 8 words
+        assert all(isinstance(v, int) and v >= 0 for v in args)
         copies.release()
-        assert not copies._direct and not copies._compiled
-
-    def test_two_variants_of_a_direction_keep_the_jit_path(
-        self, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        import asyncpin.engines.cuda.methods as m
-
-        monkeypatch.setattr(m, "direct_launch_tested", lambda: True)
-        copies = self._methods()
-        copies.prepared_launches({True: [{}, {}], False: [{}]})  # two distinct objects
-        assert not copies._direct
-        copies.prepared_launches({True: [None], False: [None]})  # nothing compiled
-        assert not copies._direct
+        assert copies._tables == () and copies._table_ptrs == ()

@@ -2,24 +2,23 @@
 the first manager of a process stalled the event loop 51-244 ms and stretched a model's
 step up to 20x; 100 GiB, run 89: 181 ms and a 217 ms step early in the opening.)
 
-    python3 bench/probes/first_manager.py [--preload]
+    python3 bench/probes/first_manager.py [--no-jit-cache]
 
 In a fresh process, with a model's step running in a thread (8 bf16 matmuls of 8192,
 then a wait for its stream) and a GIL meter (a thread sleeping 0.5 ms in a loop: each
 wake's overshoot is how long it waited for the GIL, or the CPU), runs one after another
 what a first ``OffloadManager.for_kv`` does in the background, each a phase:
 
-- ``preload`` (with ``--preload``): Triton's native library loaded through
-  ``ctypes.CDLL`` before the import, to see whether the dynamic loader's part of the
-  import is what holds the GIL. It is not let go there either: in run 90 (which also
-  loaded libproton) the preload alone held the meter 26 ms and the import after it
-  still 42 ms (without: 32 ms); the engine does not preload;
-- ``import-triton``: ``import triton, triton.language``;
-- ``import-kernel``: ``asyncpin._kernels`` (the JIT function);
 - ``own-context``: the CUDA backend's first pin call, which makes its context;
+- ``load-kernel``: the copy kernel's PTX loaded (``cudaLibraryLoadData``: the driver
+  translates it, or takes it from its cache on disk; ``--no-jit-cache`` sets
+  ``CUDA_CACHE_DISABLE=1`` so that it translates);
 - ``manager``: a 1 GiB ``OffloadManager.for_kv`` entered, ``pinned`` awaited, closed
-  (the engine's set-up: streams, buffers, the kernel's compile and load); its
+  (the engine's set-up: streams, buffers, the kernel's load onto the device); its
   construction and entry are timed and profiled (``JSON_OUT.entry-profile.txt``).
+
+(Until the copy kernel was PTX, this probe also timed Triton's import and the kernel's
+compile: 0.2-0.27 s and 0.8-1.0 s, holding the GIL 32-56 ms at a time; run 90.)
 
 For each phase: its time, the meter's longest wait, the longest step over the step alone.
 """
@@ -28,9 +27,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import ctypes
-import glob
-import importlib.util
 import io
 import json
 import os
@@ -48,7 +44,9 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 import asyncpin
+from asyncpin._cudart import Runtime
 from asyncpin.cuda import CudaBackend
+from asyncpin.engines.cuda.kernel import CopyKernel
 from asyncpin.region import HostRegion
 from bench._common import StreamSteps
 
@@ -79,25 +77,17 @@ class Meter:
         return max((late for t, late in self.samples if start <= t <= end), default=0.0)
 
 
-def preload_triton() -> list[str]:
-    spec = importlib.util.find_spec("triton")
-    found: list[str] = []
-    for where in (spec.submodule_search_locations or []) if spec is not None else []:
-        for path in sorted(glob.glob(os.path.join(where, "_C", "libtriton*.so"))):
-            ctypes.CDLL(path, mode=sys.getdlopenflags())
-            found.append(path)
-    return found
-
-
 def longest(spans: list[tuple[float, float, float]]) -> float:
     return max((e - s for s, _, e in spans), default=0.0)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--preload", action="store_true")
+    p.add_argument("--no-jit-cache", action="store_true")
     p.add_argument("--json-out")
     args = p.parse_args()
+    if args.no_jit_cache:
+        os.environ["CUDA_CACHE_DISABLE"] = "1"  # read when CUDA initialises, below
     steps, meter = StreamSteps(), Meter()
     steps.start()
     meter.start()
@@ -112,20 +102,6 @@ def main() -> int:
         time.sleep(0.3)
 
     phase("idle", lambda: time.sleep(0.5))
-    if args.preload:
-        phase("preload", preload_triton)
-
-    def import_triton() -> str:
-        import triton
-        import triton.language
-
-        return str(triton.__version__)
-
-    def import_kernel() -> None:
-        import asyncpin._kernels  # noqa: F401
-
-    phase("import-triton", import_triton)
-    phase("import-kernel", import_kernel)
     region = HostRegion.create(2 << 20)
     backend = CudaBackend(0)
 
@@ -135,6 +111,11 @@ def main() -> int:
 
     phase("own-context", own_context)
     region.release()
+
+    def load_kernel() -> None:
+        CopyKernel(Runtime())
+
+    phase("load-kernel", load_kernel)
     # The Llama-3.1-8B layout of the start-up bench: 64 arrays of 32 KiB blocks.
     arrays = [torch.zeros(512, 16, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(64)]
     layout = asyncpin.KVLayout.from_tensors(arrays)
@@ -162,7 +143,7 @@ def main() -> int:
     meter.stop()
     alone = statistics.median(e - s for s, _, e in steps.during(*phases["idle"]))
     out = {
-        "preload": args.preload,
+        "no_jit_cache": args.no_jit_cache,
         "step_alone_ms": round(alone * 1e3, 2),
         "info": {k: v for k, v in info.items() if v is not None},
         "phases": {
@@ -179,7 +160,7 @@ def main() -> int:
             json.dump(out, f, indent=1)
         with open(args.json_out + ".entry-profile.txt", "w") as f:
             f.write("".join(profiles))
-    print(f"preload={args.preload} step alone {out['step_alone_ms']} ms {out['info']}")
+    print(f"no_jit_cache={args.no_jit_cache} step alone {out['step_alone_ms']} ms {out['info']}")
     for name, row in out["phases"].items():
         print(
             f"  {name:14} {row['seconds']:8.3f} s  meter {row['meter_worst_ms']:8.2f} ms"

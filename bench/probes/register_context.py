@@ -87,7 +87,8 @@ def _copy_gbps(dst: torch.Tensor, host: torch.Tensor) -> float:
 def _uva_read(cu: ctypes.CDLL, ctx: ctypes.c_void_p, in_private: Callable[..., None]) -> bool:
     """Device code in torch's context reads memory registered (PORTABLE) by the private
     context through its host address, as the engine's copy kernel does."""
-    from asyncpin._kernels import kv_copy
+    from asyncpin._cudart import Runtime
+    from asyncpin.engines.cuda.kernel import CopyKernel
 
     n = 1 << 20
     host = torch.arange(n, dtype=torch.int64)
@@ -100,10 +101,10 @@ def _uva_read(cu: ctypes.CDLL, ctx: ctypes.c_void_p, in_private: Callable[..., N
         def table(v: int) -> torch.Tensor:
             return torch.tensor([v], dtype=torch.int64, device="cuda")
 
-        kv_copy[(1, 1, 1)](
-            ids, ids, table(dst.data_ptr()), table(0), table(n), table(0),
-            addr, 0, 0, 1, 1, TO_HOST=False, BLOCK=1024,
-        )  # fmt: skip
+        tables = [table(dst.data_ptr()), table(0), table(n), table(0)]
+        args = (ids.data_ptr(), ids.data_ptr(), *(t.data_ptr() for t in tables), addr, 0, 0, 1, 1)
+        stream = torch.cuda.current_stream().cuda_stream
+        CopyKernel(Runtime()).launch(stream, 1, args, to_host=False)
         torch.cuda.synchronize()
         return bool(torch.equal(dst.cpu(), host))
     finally:

@@ -484,36 +484,31 @@ class TestSecondGpu:
         assert torch.cuda.current_device() == 0
 
 
-class TestKernelVariants:
-    """The manager compiles the copy kernel at open, and transfers of any size reuse it:
-    a variant compiled mid-serving would stall the submitting thread, and loading it
-    would break a graph capture under way on another thread."""
+class TestCopyKernel:
+    """The copy kernel is loaded once per process, in the engine's prepare() (a worker
+    thread, before the manager is ready), and transfers of any size, method and range
+    never load another: a load mid-serving would stall the submitting thread, and would
+    break a graph capture under way on another thread."""
 
-    async def test_compiled_at_open_and_no_new_variant_after(self) -> None:
-        from asyncpin._kernels import kv_copy
-        from asyncpin.engines.cuda.methods import direct_launch_tested
-
-        caches = getattr(kv_copy, "device_caches", None)
-        if caches is None:
-            pytest.skip("this Triton keeps its compiled kernels elsewhere")
-        compiled = caches[torch.cuda.current_device()][0]
-        # Other tests' layouts may have compiled the same variants (Triton keys them by
-        # value classes, not values): start from none, so opening must compile them.
-        compiled.clear()
+    async def test_loaded_before_ready_and_never_after(
+        self, kernel_loads: list[threading.Thread]
+    ) -> None:
         kv = [torch.randn(2, 256, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(3)]
         layout = KVLayout.from_tensors(kv, block_dim=1)
+        expected = [k.clone() for k in kv]
         methods: list[Any] = ["pack", "kernel"]
-        before_open = len(compiled)
-        async with OffloadManager.for_kv(layout, 256, backend="cuda") as mgr:
-            await mgr.pinned  # ready: the engine prepared (in the background) too
-            after_open = len(compiled)
-            # One variant per direction (the integers are 64-bit whatever their value):
-            # launched directly from then on, where this Triton is the tested one.
-            assert after_open - before_open == 2
-            copies = mgr._opened.engine._copies  # type: ignore[union-attr]
-            assert copies._direct == direct_launch_tested()
-            for n in (1, 2, 3, 16, 17, 33, 64, 65, 255):
-                for m in methods:
-                    await mgr.store(_ids(n, 256), _ids(n, 256), method=m)
-                    await mgr.load(_ids(n, 256), _ids(n, 256), method=m)
-            assert len(compiled) == after_open
+        for _ in range(2):  # a second manager in the process loads nothing
+            async with OffloadManager.for_kv(layout, 256, backend="cuda") as mgr:
+                await mgr.pinned  # ready: the engine prepared (in the background) too
+                assert len(kernel_loads) == 1
+                assert kernel_loads[0] is not threading.current_thread()
+                for n in (1, 2, 3, 16, 17, 33, 64, 65, 255):
+                    for m in methods:
+                        ids = _ids(n, 256)
+                        await mgr.store(ids, ids, method=m)
+                        for k in kv:
+                            k[:, ids] = 0  # blocks are dimension 1
+                        await mgr.load(ids, ids, method=m)
+                        for k, e in zip(kv, expected, strict=True):
+                            assert torch.equal(k, e), (n, m)
+                assert len(kernel_loads) == 1

@@ -27,8 +27,9 @@ import torch
 from asyncpin._cudart import Runtime, batch_copy_available
 from asyncpin.abc import EngineSetup
 from asyncpin.engines.cuda.completion import Completion, Submitter, loop_hooks
+from asyncpin.engines.cuda.kernel import kernel_available
 from asyncpin.engines.cuda.lanes import Lane
-from asyncpin.engines.cuda.methods import CopyMethods, kernel_importable, load_kernel, on_device
+from asyncpin.engines.cuda.methods import CopyMethods, load_kernel, on_device
 from asyncpin.engines.cuda.plan import (
     BATCH_MIN_BLOCK_BYTES,
     KERNEL_WORD,
@@ -92,9 +93,9 @@ class CudaTransferEngine:
             host_stride=host_blocks.stride(0),
             region_base=host_blocks.untyped_storage().data_ptr(),
         )
-        # The copy kernel (Triton: an import of half a second, then a compile) is loaded
+        # The copy kernel (PTX the driver translates: tens of ms, GIL released) is loaded
         # by prepare(), in the background; which methods exist is known now.
-        self._kernel_methods = kernel_importable()
+        self._kernel_methods = kernel_available(self._rt)
         self._misaligned = kernel_misalignment(
             array_ptrs=ptrs,
             array_strides=strides,
@@ -120,10 +121,12 @@ class CudaTransferEngine:
     def _load(self) -> None:
         """The part of prepare() that needs no device: the copy kernel imported, the
         threads started."""
-        kernel = load_kernel()
-        if kernel is None and self._kernel_methods:
+        kernel = None
+        try:
+            kernel = load_kernel(self._rt)
+        except BackendCallError as exc:
             # methods() offered pack and kernel: they run as batch, saying why.
-            self._misaligned = "Triton is installed but the copy kernel could not be imported"
+            self._misaligned = f"the copy kernel could not be loaded: {exc}"
         if kernel is not None and self._misaligned is not None:
             _log.warning("transfer.kernel_disabled", reason=self._misaligned, fallback="batch")
         self._copies.kernel = kernel if self._misaligned is None else None
@@ -131,19 +134,17 @@ class CudaTransferEngine:
         self._submitter.start()
 
     def methods(self) -> tuple[str, ...]:
-        """The methods a transfer may ask for: pack and kernel where Triton is (on a
-        layout the copy kernel cannot run on, they run as batch)."""
+        """The methods a transfer may ask for: pack and kernel where the runtime can load
+        the copy kernel (on a layout it cannot run on, they run as batch)."""
         return ("batch", "pack", "kernel") if self._kernel_methods else ("batch",)
 
     def prepare(self) -> None:
-        """Streams, events and device buffers, then the copy kernel compiled and loaded for
-        both directions by launching it over no segment. All of it in a worker thread at
-        open, and none of it while a graph capture is under way on another thread: a
-        device allocation, a stream synchronisation or a module load would break it.
-        Compiling mid-serving would also stall the submitting thread. The kernel variants
-        are the ones transfers use: what changes between transfers (the ids, the host
-        base and stride, the range of arrays, the segment count) is not specialised
-        (``asyncpin._kernels``), and the array tables are the layout's."""
+        """Streams, events and device buffers, then the copy kernel loaded (the first
+        manager of a process) and loaded onto this device by launching it over no
+        segment. All of it in a worker thread at open, and none of it while a graph
+        capture is under way on another thread: a device allocation, a stream
+        synchronisation or a module load would break it. One kernel serves every
+        transfer (``asyncpin.engines.cuda.kernel``), so nothing is loaded later."""
         self._load()
         layout, rt, copies = self._layout, self._rt, self._copies
         # A store's host blocks are distinct, and so are a load's device blocks.
@@ -162,17 +163,13 @@ class CudaTransferEngine:
                 self._lanes[d] = lane
             if copies.kernel is None:
                 return
-            compiled: dict[bool, list[Any]] = {}
             for d, lane in self._lanes.items():
                 ids = lane.ids[:2].view(2, 1)
-                for base in (self._plan.host_base, *(h for h in lane.halves if h)):
-                    to_host = d == "store"
-                    kernel = copies.launch(
-                        lane.kernel, ids[0], ids[1], base, to_host=to_host, ctas=1, count=0
-                    )
-                    compiled.setdefault(to_host, []).append(kernel)
+                base = self._plan.host_base
+                copies.launch(
+                    lane.kernel, ids[0], ids[1], base, to_host=d == "store", ctas=1, count=0
+                )
                 lane.kernel.synchronize()
-            copies.prepared_launches(compiled)
 
     def record_ready(self) -> Any:
         event = torch.cuda.Event()

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import array
 import contextlib
-import importlib.util
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from asyncpin._cudart import Runtime
+from asyncpin.engines.cuda.kernel import CopyKernel, kernel_available
 from asyncpin.engines.cuda.lanes import Lane
 from asyncpin.engines.cuda.plan import (
     BATCH_MIN_BLOCK_BYTES,
@@ -41,38 +41,19 @@ from asyncpin.engines.cuda.plan import (
 from asyncpin.gate import outside_captures
 from asyncpin.transfers import TransferJob
 
-__all__ = ["KERNEL_CTAS", "CopyMethods", "kernel_importable", "load_kernel", "on_device"]
+__all__ = ["KERNEL_CTAS", "CopyMethods", "load_kernel", "on_device"]
 
 # Copy kernel CTAs: enough to reach the bus's speed, few enough to leave the SMs to the
 # model (BENCH.md: 8 CTAs reach 50 GB/s D2H, H2D needs 32).
 KERNEL_CTAS = {"store": 16, "load": 32}
 _PACK_CTAS = 132
-_KERNEL_BLOCK = 512  # words a program moves per step
 
 
-def kernel_importable() -> bool:
-    """Whether Triton is installed (found without importing it)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def direct_launch_tested() -> bool:
-    """Whether this Triton's compiled kernels are launched as Triton 3.6's are (every
-    argument, constexprs too, after the stream): the one version that path ran on. With
-    another, every launch goes through the JIT function."""
-    try:
-        import triton
-    except ImportError:
-        return False
-    return str(triton.__version__).startswith("3.6.")
-
-
-def load_kernel() -> Any:
-    """The Triton copy kernel, or None where there is no Triton."""
-    try:
-        from asyncpin._kernels import kv_copy
-    except ImportError:  # no Triton: the batch method only
-        return None
-    return kv_copy
+def load_kernel(rt: Runtime) -> CopyKernel | None:
+    """The copy kernel, None where this runtime has no call to load it (then the batch
+    method only); raises :class:`~asyncpin.errors.BackendCallError` where the load
+    fails."""
+    return CopyKernel(rt) if kernel_available(rt) else None
 
 
 def on_device(index: int) -> contextlib.AbstractContextManager[Any]:
@@ -88,19 +69,15 @@ class CopyMethods:
     kernel where the layout may run it, else None (then only ``batch`` and ``pageable``
     are called)."""
 
-    def __init__(self, rt: Runtime, plan: AddressPlan, kernel: Any) -> None:
+    def __init__(self, rt: Runtime, plan: AddressPlan, kernel: CopyKernel | None) -> None:
         self._rt = rt
         self._plan = plan
         self.kernel = kernel
         # The array table on the device, for the copy kernel, and the ids 0, 1, 2, ...:
-        # to_device() at prepare.
+        # to_device() at prepare; the tables' addresses are the kernel's parameters.
         self._tables: tuple[torch.Tensor, ...] = ()
+        self._table_ptrs: tuple[int, ...] = ()
         self._identity = torch.empty(0, dtype=torch.int64)
-        # The compiled copy kernel of each direction (TO_HOST), once launched through the
-        # JIT function: later launches skip its argument binding and specialisation (about
-        # 60 us a launch) and torch's current-stream switch (``prepared_launches``). Empty:
-        # every launch goes through the JIT function.
-        self._compiled: dict[bool, Any] = {}
 
     def to_device(self, device: torch.device, max_id: int) -> None:
         """The copy kernel's tables on ``device``, and ids up to ``max_id`` (exclusive)."""
@@ -109,6 +86,7 @@ class CopyMethods:
         self._tables = tuple(
             t.to(device) for t in (plan.ptrs_cpu, plan.strides_cpu, words, plan.offsets_cpu)
         )
+        self._table_ptrs = tuple(t.data_ptr() for t in self._tables)
         # Made here and copied up (a synchronous copy, as the tables above): a kernel
         # on the lanes' streams, which do not wait for this thread's current stream,
         # may read it as soon as prepare() returns.
@@ -117,27 +95,8 @@ class CopyMethods:
     def release(self) -> None:
         """Device memory back to torch's allocator (at close)."""
         self._tables = ()
+        self._table_ptrs = ()
         self._identity = torch.empty(0, dtype=torch.int64)
-        self._compiled = {}
-
-    @property
-    def _direct(self) -> bool:
-        """Whether launches go straight to the compiled kernels."""
-        return bool(self._compiled)
-
-    def prepared_launches(self, compiled: dict[bool, list[Any]]) -> None:
-        """After prepare's launches through the JIT function (``compiled``: what each
-        direction's launches returned): later launches go straight to the compiled kernel
-        where this Triton is the tested one and each direction compiled one variant only
-        (so no argument of a later launch can call for another)."""
-        self._compiled = {}
-        if not direct_launch_tested():
-            return
-        for kernels in compiled.values():
-            first = kernels[0]
-            if not all(k is first for k in kernels) or not hasattr(first, "__getitem__"):
-                return
-        self._compiled = {to_host: kernels[0] for to_host, kernels in compiled.items()}
 
     # -- ordering -----------------------------------------------------------------------
 
@@ -276,13 +235,12 @@ class CopyMethods:
         arrays: range | None = None,
         slot: bool = False,
         count: int = -1,
-    ) -> Any:
+    ) -> None:
         """The copy kernel on ``stream``: block ``gpu_ids[i]`` of each array
         of ``arrays`` (all by default) to or from host block ``cpu_ids[i]`` of the region
         at ``host_base``, or (``slot``) to or from slot ``cpu_ids[i]`` of a staging buffer
         at ``host_base`` whose slots hold the arrays' span; ``count`` blocks (all of the
-        ids by default). Returns what the JIT function returned (the compiled kernel), or
-        None when launched directly."""
+        ids by default)."""
         plan = self._plan
         assert self.kernel is not None
         arrays = plan.all_arrays if arrays is None else arrays
@@ -294,23 +252,16 @@ class CopyMethods:
         n_segments = (gpu_ids.shape[0] if count < 0 else count) * len(arrays)
         grid = max(min(ctas, n_segments), 1)
         args = (
-            gpu_ids,
-            cpu_ids,
-            *self._tables,
+            gpu_ids.data_ptr(),
+            cpu_ids.data_ptr(),
+            *self._table_ptrs,
             host_base,
             stride,
             arrays.start,
             n_segments,
             len(arrays),
         )
-        if self._direct:
-            # As the JIT function launches it: every argument, the constexprs last.
-            self._compiled[to_host][(grid, 1, 1)](
-                *args, to_host, _KERNEL_BLOCK, stream=stream.cuda_stream
-            )
-            return None
-        with torch.cuda.stream(stream):
-            return self.kernel[(grid,)](*args, TO_HOST=to_host, BLOCK=_KERNEL_BLOCK)
+        self.kernel.launch(stream.cuda_stream, grid, args, to_host=to_host)
 
     def uva_kernel(self, job: TransferJob, lane: Lane) -> torch.cuda.Stream:
         direction = job.transfer.direction

@@ -120,8 +120,8 @@ def choose_method(
     uva: bool = True,
 ) -> str:
     """The method a job runs with. Never the copy kernel (pack, kernel) unless
-    ``kernel_usable`` (Triton is there and the layout is safe for it: a misaligned access
-    would end the process's CUDA context). ``staged()`` says whether the direction's pack
+    ``kernel_usable`` (the kernel is loaded and the layout is safe for it: a misaligned
+    access would end the process's CUDA context). ``staged()`` says whether the direction's pack
     staging exists or could be made now; it is asked only for a pack job that moves
     blocks. ``partial``: the job moves some of the arrays (a layer's group): under auto, small
     blocks of it go by the copy kernel, not pack, since such a job's host bytes are one
