@@ -151,10 +151,10 @@ class Heartbeat:
                 self.stacks.append((now, where))
                 last = where
 
-    def worst(self, start: float, end: float) -> tuple[float, str]:
+    def worst(self, start: float, end: float) -> tuple[float, str, tuple[float, float]]:
         """The worst lag inside [start, end] (a wake at t late by L was blocked over
-        [t - L, t]; only the part inside the window counts), and the loop thread's stack
-        sampled during it."""
+        [t - L, t]; only the part inside the window counts), the loop thread's stack
+        sampled during it, and when it was."""
         lag, at = 0.0, (0.0, 0.0)
         for t, late in self.samples:
             inside = min(t, end) - max(t - late, start)
@@ -162,7 +162,7 @@ class Heartbeat:
                 lag, at = inside, (max(t - late, start), min(t, end))
         where = [s for t, s in self.stacks if at[0] <= t <= at[1]]
         counts = collections.Counter(where).most_common(1)
-        return lag, counts[0][0] if counts else ""
+        return lag, counts[0][0] if counts else "", at
 
 
 class StepLog(GpuStepper):
@@ -238,7 +238,8 @@ class Capturer:
 
 
 class TimedBackend:
-    """asyncpin's own backend, each pin and unpin call's duration kept."""
+    """asyncpin's own backend, each pin and unpin call's duration kept, and its span
+    (``calls``: name, start, end on the bench's clock)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -246,19 +247,24 @@ class TimedBackend:
         self.max_pin_bytes = inner.max_pin_bytes
         self.pins: list[float] = []
         self.unpins: list[float] = []
+        self.calls: list[tuple[str, float, float]] = []
 
     def preflight(self, nbytes: int) -> None:
         self.inner.preflight(nbytes)
 
     def pin(self, address: int, nbytes: int) -> None:
-        t0 = time.perf_counter()
+        t0 = Clock.now()
         self.inner.pin(address, nbytes)
-        self.pins.append(time.perf_counter() - t0)
+        t1 = Clock.now()
+        self.pins.append(t1 - t0)
+        self.calls.append(("pin", t0, t1))
 
     def unpin(self, address: int, nbytes: int) -> None:
-        t0 = time.perf_counter()
+        t0 = Clock.now()
         self.inner.unpin(address, nbytes)
-        self.unpins.append(time.perf_counter() - t0)
+        t1 = Clock.now()
+        self.unpins.append(t1 - t0)
+        self.calls.append(("unpin", t0, t1))
 
 
 def _register(address: int, nbytes: int) -> None:
@@ -293,6 +299,7 @@ class Run:
         self.recipe, self.nbytes = recipe, nbytes
         self.marks: dict[str, float] = {}
         self.extra: dict[str, Any] = {}
+        self.calls: list[tuple[str, float, float]] = []  # the backend's, if timed
 
     def mark(self, name: str) -> None:
         self.marks[name] = Clock.now()
@@ -369,6 +376,7 @@ async def asyncpin_run(
         run.extra["chunk_bytes"] = stats.chunk_bytes
         run.mark("close")
     run.mark("closed")
+    run.calls = backend.calls
     for name, calls in (("pin", backend.pins), ("unpin", backend.unpins)):
         if calls:
             ordered = sorted(calls)
@@ -404,9 +412,17 @@ def phases(run: Run, hb: Heartbeat, steps: StepLog | None, step_alone: float) ->
         **run.extra,
     }
     for phase, (start, end) in windows.items():
-        lag, where = hb.worst(start, end)
+        lag, where, (lo, hi) = hb.worst(start, end)
         out[f"lag_{phase}_s"] = lag
         out[f"lag_{phase}_at"] = where
+        # When the worst lag was (from the phase's start), and the backend's calls under
+        # way then: (name, start from the phase's start, duration).
+        out[f"lag_{phase}_window"] = [round(lo - start, 4), round(hi - start, 4)]
+        out[f"lag_{phase}_calls"] = [
+            [name, round(a - start, 4), round(b - a, 4)]
+            for name, a, b in run.calls
+            if a <= hi and b >= lo
+        ]
         if steps is not None and phase != "serving":
             out[f"stretch_{phase}"] = steps.longest(start, end) / step_alone
             out[f"steps_{phase}"] = [
@@ -441,6 +457,15 @@ async def one(
         file=sys.stderr,
         flush=True,
     )
+    for phase in ("opening", "closing"):
+        lo, hi = result[f"lag_{phase}_window"]
+        long_calls = [c for c in result[f"lag_{phase}_calls"] if c[2] >= 0.05]
+        print(
+            f"    worst {phase} lag at {lo:.3f}-{hi:.3f} s; backend calls under way then: "
+            f"{len(result[f'lag_{phase}_calls'])}, of 50 ms or more: {long_calls}",
+            file=sys.stderr,
+            flush=True,
+        )
     return result
 
 
