@@ -162,9 +162,9 @@ class Opened:
         manager)."""
         if self.background:
             # Its worker thread is started with the pipeline's, before anything is faulted
-            # (the memory-map lock) and before the set-up runs (a compile holds the GIL for
-            # long stretches, and each thread start on the loop waits for the new thread
-            # to take the GIL).
+            # (the memory-map lock) and before the set-up runs (its torch calls hold the
+            # GIL, and each thread start on the loop waits for the new thread to take
+            # the GIL).
             tasks.start_soon(
                 self.scheduler.run, partial(tasks.start_soon, self._prepare_engine, log)
             )
@@ -189,7 +189,7 @@ class Opened:
 
     def _prepare_paused(self) -> None:
         """``engine.prepare()``, never while ``pinning_paused()`` is held: a capture
-        wrapped in it must not see the set-up's allocations, compile or launches."""
+        wrapped in it must not see the set-up's allocations, kernel load or launches."""
         assert self.engine is not None
         gate = self.scheduler.gate
         if not gate.enter_local(abort=self.scheduler.stop_event):

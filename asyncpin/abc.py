@@ -103,7 +103,7 @@ class TransferEngine(Protocol):
     Contract:
 
     - Made on the event loop from an :class:`EngineSetup`; then ``prepare()`` is called
-      once, in a worker thread: it allocates device resources and compiles kernels, so
+      once, in a worker thread: it allocates device resources and loads kernels, so
       that nothing of it happens mid-serving. No ``submit()`` comes before it has
       returned (but pageable jobs, below); ``methods()`` and ``record_ready()`` may. By
       default the manager's entry waits for it; an engine whose class sets

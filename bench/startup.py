@@ -34,7 +34,7 @@ gives by itself. Each phase's worst lag comes with the loop thread's stack at
 that moment (sampled by a watchdog thread), and each pin and unpin call is timed, to see
 where the time goes.
 
-``--cold SIZE``: before anything else (after a manager of one block has compiled the copy
+``--cold SIZE``: before anything else (after a manager of one block has loaded the copy
 kernel), ``asyncpin`` then the ``vllm`` recipe at SIZE, the manager kept open until the
 second is ready, so that both fault in memory this process has never touched (cold on a
 machine whose memory is backed as it is first used: run it first in a fresh machine).
@@ -532,7 +532,7 @@ async def bench(args: Any) -> dict[str, Any]:
         try:
             doc["quiet"] = await quiet(hb, steps, alone, 0.2 if args.quick else 2.0)
             if args.cold:
-                # The copy kernel's compile (once per process) out of the cold figures.
+                # The copy kernel's load (once per process) out of the cold figures.
                 await asyncpin_run(Run("asyncpin", HOST_BLOCK), *kv_layout(4)[:1], trips=0)
                 doc["cold"] = await cold_pair(args.cold, hb, steps, alone)
             for nbytes in args.size:

@@ -230,7 +230,7 @@ def test_the_pipeline_starts_its_threads_before_it_faults(
 
 
 def test_no_thread_starts_while_the_engine_prepares(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The set-up (a compile) holds the GIL for long stretches, and the loop's every
+    # The set-up (torch's calls) holds the GIL for stretches, and the loop's every
     # thread start waits for the new thread to take it: the set-up's thread and the
     # pipeline's are started together, before the set-up runs (a fresh asyncio loop:
     # its worker-thread pool starts empty).

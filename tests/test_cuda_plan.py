@@ -575,6 +575,95 @@ class TestLaunchArguments:
             "n_arrays": 2,
         }
         assert tables[2].tolist() == [8] * 4  # each array's 64-byte block: 8 words
-        assert all(isinstance(v, int) and v >= 0 for v in args)
+        assert all(isinstance(v, int) for v in args)
         copies.release()
         assert copies._tables == () and copies._table_ptrs == ()
+
+
+class TestCopyKernelCalls:
+    """``CopyKernel`` over a stand-in libcudart: what reaches ``cudaLaunchKernel``
+    through the ``void**`` parameter array, and a failed load."""
+
+    @staticmethod
+    def _runtime(monkeypatch: pytest.MonkeyPatch, *, load_code: int = 0) -> Any:
+        import ctypes
+
+        import asyncpin.engines.cuda.kernel as kernel_module
+        from asyncpin._cudart import Runtime
+
+        monkeypatch.setattr(kernel_module, "_loaded", {})
+        launches: list[tuple[int, int, int, list[int], int, int]] = []
+
+        def load(library: Any, code: Any, *rest: Any) -> int:
+            ctypes.cast(library, ctypes.POINTER(ctypes.c_void_p))[0] = 0x1000
+            return load_code
+
+        def get_kernel(kernel: Any, library: Any, name: bytes) -> int:
+            assert name == b"kv_copy"
+            ctypes.cast(kernel, ctypes.POINTER(ctypes.c_void_p))[0] = 0x2000
+            return 0
+
+        def launch(
+            kernel: int, grid: Any, block: Any, params: Any, shared: int, stream: int
+        ) -> int:
+            values = [ctypes.c_uint64.from_address(params[k]).value for k in range(12)]
+            launches.append((kernel, grid.x, block.x, values, shared, stream))
+            return 0
+
+        lib = SimpleNamespace(
+            cudaLibraryLoadData=load,
+            cudaLibraryGetKernel=get_kernel,
+            cudaLaunchKernel=launch,
+            cudaGetLastError=lambda: 0,
+            cudaGetErrorName=lambda code: b"cudaErrorInvalidPtx",
+            cudaGetErrorString=lambda code: b"a PTX JIT compilation failed",
+        )
+        rt = Runtime.__new__(Runtime)
+        rt.lib, rt.version = lib, 13000  # type: ignore[assignment]
+        rt.launches = launches  # type: ignore[attr-defined]
+        return rt
+
+    @pytest.mark.parametrize("to_host", [True, False])
+    def test_every_parameter_reaches_the_launch(
+        self, monkeypatch: pytest.MonkeyPatch, to_host: bool
+    ) -> None:
+        from asyncpin.engines.cuda.kernel import THREADS, CopyKernel, kernel_available
+
+        rt = self._runtime(monkeypatch)
+        assert kernel_available(rt)
+        kernel = CopyKernel(rt)
+        args = (11, 12, 13, 14, 15, 16, -4096, 17, 18, 19, 20)  # a base below an offset
+        kernel.launch(77, 5, args, to_host=to_host)
+        [(handle, grid, threads, values, shared, stream)] = rt.launches
+        assert (handle, grid, threads, shared, stream) == (0x2000, 5, THREADS, 0, 77)
+        assert values == [*args[:6], 2**64 - 4096, *args[7:], int(to_host)]
+
+    @pytest.mark.parametrize("count", [0, 10, 12])
+    def test_a_wrong_argument_count_is_refused(
+        self, monkeypatch: pytest.MonkeyPatch, count: int
+    ) -> None:
+        from asyncpin.engines.cuda.kernel import CopyKernel
+
+        rt = self._runtime(monkeypatch)
+        with pytest.raises(ValueError, match="11 arguments"):
+            CopyKernel(rt).launch(1, 1, tuple(range(count)), to_host=True)
+        assert rt.launches == []
+
+    def test_a_failed_load_raises_the_runtime_error(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from asyncpin.engines.cuda.kernel import CopyKernel
+        from asyncpin.errors import BackendCallError
+
+        rt = self._runtime(monkeypatch, load_code=218)
+        with pytest.raises(BackendCallError, match="cudaErrorInvalidPtx"):
+            CopyKernel(rt)
+
+    def test_a_runtime_before_12_has_no_kernel(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from asyncpin.engines.cuda.kernel import kernel_available
+        from asyncpin.engines.cuda.methods import load_kernel
+
+        rt = self._runtime(monkeypatch)
+        rt.version = 11080
+        assert not kernel_available(rt) and load_kernel(rt) is None
+        del rt.lib.cudaLibraryLoadData
+        rt.version = 13000
+        assert not kernel_available(rt)

@@ -9,6 +9,22 @@ import pytest
 
 
 @pytest.fixture
+def kernel_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[threading.Thread, int]]:
+    """The copy kernel's launches from now on: (thread, segment count)."""
+    import asyncpin.engines.cuda.kernel as kernel_module
+
+    launches: list[tuple[threading.Thread, int]] = []
+    launch = kernel_module.CopyKernel.launch
+
+    def counted(self: Any, stream: int, grid: int, args: tuple[int, ...], **kw: Any) -> None:
+        launches.append((threading.current_thread(), args[9]))  # n_segments
+        launch(self, stream, grid, args, **kw)
+
+    monkeypatch.setattr(kernel_module.CopyKernel, "launch", counted)
+    return launches
+
+
+@pytest.fixture
 def kernel_loads(monkeypatch: pytest.MonkeyPatch) -> list[threading.Thread]:
     """The threads that loaded the copy kernel from now on, the process made to look as
     if no manager had loaded it yet."""

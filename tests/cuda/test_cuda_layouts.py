@@ -1,8 +1,8 @@
 """KV layouts engines really use, on a real GPU (`pytest -m cuda`): every method moves
 every array's blocks byte for byte (HND views, mixed block sizes and dtypes, odd sizes),
 a range of arrays alone, and a layer-wise load's groups each with an event that orders
-compute after that group only. No kernel variant is compiled after open, whatever range
-of arrays a transfer moves."""
+compute after that group only. No code is loaded after open, whatever range of arrays a
+transfer moves."""
 
 from __future__ import annotations
 
@@ -74,12 +74,15 @@ async def test_layer_groups_each_have_an_event_that_orders_compute() -> None:
 
 async def test_no_kernel_is_loaded_after_open_for_any_range(
     kernel_loads: list[threading.Thread],
+    kernel_launches: list[tuple[threading.Thread, int]],
 ) -> None:
     layout = build("mla_indexer", 256, "cuda")
     rng = random.Random(0)
     async with OffloadManager.for_kv(layout, 256, backend="cuda") as mgr:
         await mgr.pinned
+        # Loaded, and onto the device by a launch over no segment per direction.
         assert len(kernel_loads) == 1
+        assert [n for _, n in kernel_launches] == [0, 0]
         for n in (1, 17, 65, 255):
             for method in ("pack", "kernel"):
                 for arrays in (range(0, 4), range(1, 2), range(1, 4), range(3, 4)):

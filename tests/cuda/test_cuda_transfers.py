@@ -364,7 +364,7 @@ class TestGraphCaptures:
     async def test_captures_on_another_thread_while_transferring(self) -> None:
         async with kv_manager() as (mgr, layout):
             half = BLOCKS // 2
-            methods: list[Any] = METHODS  # no warm-up: kernels are compiled at open
+            methods: list[Any] = METHODS  # no warm-up: the kernel is loaded at open
             source = [a[:half].clone() for a in layout.arrays]  # never written below
             torch.cuda.synchronize()
 
@@ -491,24 +491,31 @@ class TestCopyKernel:
     break a graph capture under way on another thread."""
 
     async def test_loaded_before_ready_and_never_after(
-        self, kernel_loads: list[threading.Thread]
+        self,
+        kernel_loads: list[threading.Thread],
+        kernel_launches: list[tuple[threading.Thread, int]],
     ) -> None:
         kv = [torch.randn(2, 256, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(3)]
         layout = KVLayout.from_tensors(kv, block_dim=1)
         expected = [k.clone() for k in kv]
         methods: list[Any] = ["pack", "kernel"]
+        loop = threading.current_thread()
         for _ in range(2):  # a second manager in the process loads nothing
+            kernel_launches.clear()
             async with OffloadManager.for_kv(layout, 256, backend="cuda") as mgr:
                 await mgr.pinned  # ready: the engine prepared (in the background) too
-                assert len(kernel_loads) == 1
-                assert kernel_loads[0] is not threading.current_thread()
+                assert len(kernel_loads) == 1 and kernel_loads[0] is not loop
+                # One launch over no segment per direction, in the set-up's thread: it
+                # loads the kernel onto the device (lazy loading) before anything runs.
+                assert [n for _, n in kernel_launches] == [0, 0]
+                assert all(thread is not loop for thread, _ in kernel_launches)
                 for n in (1, 2, 3, 16, 17, 33, 64, 65, 255):
                     for m in methods:
-                        ids = _ids(n, 256)
-                        await mgr.store(ids, ids, method=m)
+                        gpu, cpu = _ids(n, 256), _ids(n, 256)
+                        await mgr.store(gpu, cpu, method=m)
                         for k in kv:
-                            k[:, ids] = 0  # blocks are dimension 1
-                        await mgr.load(ids, ids, method=m)
+                            k[:, gpu] = 0  # blocks are dimension 1
+                        await mgr.load(cpu, gpu, method=m)
                         for k, e in zip(kv, expected, strict=True):
                             assert torch.equal(k, e), (n, m)
                 assert len(kernel_loads) == 1

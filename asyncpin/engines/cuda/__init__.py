@@ -119,16 +119,19 @@ class CudaTransferEngine:
         self._num_host_blocks = host_blocks.shape[0]
 
     def _load(self) -> None:
-        """The part of prepare() that needs no device: the copy kernel imported, the
-        threads started."""
+        """The part of prepare() that makes no device buffer: the copy kernel loaded (the
+        process's first manager; the driver may load it into every context then), the
+        threads started. Under the capture gate, as the rest of prepare()."""
         kernel = None
         try:
             kernel = load_kernel(self._rt)
         except BackendCallError as exc:
             # methods() offered pack and kernel: they run as batch, saying why.
             self._misaligned = f"the copy kernel could not be loaded: {exc}"
-        if kernel is not None and self._misaligned is not None:
             _log.warning("transfer.kernel_disabled", reason=self._misaligned, fallback="batch")
+        else:
+            if kernel is not None and self._misaligned is not None:
+                _log.warning("transfer.kernel_disabled", reason=self._misaligned, fallback="batch")
         self._copies.kernel = kernel if self._misaligned is None else None
         self._completion.start()
         self._submitter.start()
@@ -145,11 +148,11 @@ class CudaTransferEngine:
         capture is under way on another thread: a device allocation, a stream
         synchronisation or a module load would break it. One kernel serves every
         transfer (``asyncpin.engines.cuda.kernel``), so nothing is loaded later."""
-        self._load()
         layout, rt, copies = self._layout, self._rt, self._copies
         # A store's host blocks are distinct, and so are a load's device blocks.
         max_ids = {"store": self._num_host_blocks, "load": layout.num_blocks}
         with outside_captures(), torch.cuda.device(self._index):
+            self._load()
             if copies.kernel is not None:  # the copy kernel's tables
                 copies.to_device(self._device, max(layout.num_blocks, self._num_host_blocks))
             for d in ("store", "load"):

@@ -212,6 +212,8 @@ class CopyKernel:
     def launch(self, stream: int, grid: int, args: tuple[int, ...], *, to_host: bool) -> None:
         """Queue the kernel on ``stream`` over ``grid`` CTAs; ``args`` are its parameters
         but the last (``to_host``), as integers (addresses and counts)."""
+        if len(args) != _N_PARAMS - 1:  # ctypes would pad with zeros: garbage addresses
+            raise ValueError(f"the copy kernel takes {_N_PARAMS - 1} arguments, got {len(args)}")
         values = (ctypes.c_uint64 * _N_PARAMS)(*args, int(to_host))
         base = ctypes.addressof(values)
         params = (ctypes.c_void_p * _N_PARAMS)(
