@@ -5,10 +5,11 @@ runtime's library calls (``cudaLibraryLoadData``, CUDA >= 12.0) and launched wit
 Written in PTX rather than compiled by a JIT in Python, so that a process's first
 manager imports no compiler and holds no GIL while the kernel is built: the driver
 translates the PTX in ``cudaLibraryLoadData`` (a ctypes call, so the GIL is released),
-once per process and then from its cache on disk. There is one kernel for every layout,
-direction and size: nothing about a transfer selects another variant, so nothing is
-compiled or loaded after the engine's ``prepare()``, where a load would stall the
-submitting thread or break a graph capture under way on another thread.
+once per process, or takes it from its cache on disk. There is one kernel for every
+layout, direction and size: nothing about a transfer selects another variant, so
+nothing is loaded after the engine's ``prepare()`` (which runs under the capture gate):
+a load mid-serving would stall the submitting thread, and may break a graph capture
+under way on another thread.
 """
 
 from __future__ import annotations
