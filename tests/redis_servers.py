@@ -10,6 +10,9 @@ test process if that is killed (``PR_SET_PDEATHSIG``), so that none is ever left
 
 Talking to the servers here goes through :func:`command`, a minimal RESP client on a plain
 socket: the harness does not depend on the client library the tier uses (redis-py).
+
+``ASYNCPIN_TEST_SERVER=valkey`` runs Valkey (``valkey-server``, ``valkey-cli``) instead of
+Redis (``redis-server``, ``redis-cli``, the default).
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 HOST = "127.0.0.1"
+SERVER = os.environ.get("ASYNCPIN_TEST_SERVER", "redis")
+if SERVER not in ("redis", "valkey"):
+    raise ValueError(f"ASYNCPIN_TEST_SERVER={SERVER!r}: use redis or valkey")
+SERVER_BIN, CLI_BIN = f"{SERVER}-server", f"{SERVER}-cli"
 START_TIMEOUT_S = 20.0  # start-up of a process, and forming or healing a cluster
 STOP_TIMEOUT_S = 10.0
 COMMAND_TIMEOUT_S = 10.0
@@ -49,11 +56,11 @@ class RedisReplyError(Exception):
 
 def available() -> str | None:
     """Why the servers cannot run here (a skip reason), or None when they can."""
-    missing = [name for name in ("redis-server", "redis-cli") if shutil.which(name) is None]
+    missing = [name for name in (SERVER_BIN, CLI_BIN) if shutil.which(name) is None]
     if missing:
         return (
-            f"{' and '.join(missing)} not on PATH: install the redis-server package "
-            "(`apt-get install redis-server`; .ci/run does)"
+            f"{' and '.join(missing)} not on PATH: install the {SERVER_BIN} package "
+            f"(`apt-get install {SERVER_BIN}`; .ci/run does)"
         )
     return None
 
@@ -249,7 +256,7 @@ class RedisServer:
 
     def _argv(self) -> list[str]:
         argv = [
-            "redis-server",
+            SERVER_BIN,
             "--port", str(self.port),
             "--bind", HOST,
             "--protected-mode", "yes",
@@ -312,7 +319,7 @@ class RedisServer:
                 log = self._log_tail()
                 if "Address already in use" in log:
                     raise _PortTaken(log)
-                raise RuntimeError(f"redis-server on port {self.port} exited: {log}")
+                raise RuntimeError(f"{SERVER_BIN} on port {self.port} exited: {log}")
             try:
                 # Ours only if the answer names our process: another server on this port
                 # answers too, until our process has found the port taken and exited.
@@ -325,7 +332,7 @@ class RedisServer:
             if time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(
-                    f"redis-server on port {self.port} did not answer PING within "
+                    f"{SERVER_BIN} on port {self.port} did not answer PING within "
                     f"{START_TIMEOUT_S} s: {self._log_tail()}"
                 )
             time.sleep(0.01)  # poll interval of the readiness loop, not a wait for an event
@@ -474,7 +481,7 @@ class RedisCluster:
         addresses = [f"{HOST}:{node.port}" for node in self.nodes]
         create = ["--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"]
         result = subprocess.run(
-            ["redis-cli", *create],
+            [CLI_BIN, *create],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
@@ -482,7 +489,7 @@ class RedisCluster:
             check=False,
         )
         if result.returncode != 0:
-            raise RuntimeError(f"redis-cli --cluster create failed: {result.stdout}{result.stderr}")
+            raise RuntimeError(f"{CLI_BIN} --cluster create failed: {result.stdout}{result.stderr}")
         self.wait_ok()
 
     def wait_ok(self, timeout: float = START_TIMEOUT_S) -> None:
