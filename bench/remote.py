@@ -9,7 +9,8 @@ the same run; the process's CPU time per GB moved; the event loop's lag while it
 No GPU: the KV layout is Llama-3.1-8B's on CPU tensors (32 layers of K and V, blocks of
 16 tokens x 8 heads x 128 bf16: 64 arrays of 32 KiB, a 2 MiB host block), moved by the
 host engine. Without ``--url`` the script starts its own servers on free loopback ports (a
-single node, then a three-node cluster, with ``tests/redis_servers.py``) and stops them.
+single node, then a three-node cluster, with ``tests/redis_servers.py``) and stops them:
+``redis-server``, or ``valkey-server`` with ``ASYNCPIN_TEST_SERVER=valkey``.
 
 Each round, after a warm-up round that is not counted:
 
@@ -341,7 +342,10 @@ def with_servers(kind: str, run: Callable[[str, Sequence[int]], dict[str, Any]])
         doc["loadavg_before_after"] = [load_before, os.getloadavg()]
         info = nodes[0].command("INFO", "server")
         assert isinstance(info, bytes)
-        doc["server_version"] = info.decode().split("redis_version:")[1].split()[0]
+        fields = dict(line.split(":", 1) for line in info.decode().splitlines() if ":" in line)
+        # Valkey reports the Redis version it is compatible with, and its own.
+        doc["server"] = fields.get("server_name", "redis")
+        doc["server_version"] = fields.get("valkey_version", fields["redis_version"])
         return doc
     finally:
         servers.stop()
@@ -436,8 +440,11 @@ def main() -> int:
         kind = "cluster" if args.cluster else "node"
         results[kind] = run(args.cluster)(args.url, [])
     else:
-        if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-            sys.exit("remote.py needs redis-server and redis-cli on PATH (or --url)")
+        from tests.redis_servers import available
+
+        missing = available()  # redis-server, or valkey-server with ASYNCPIN_TEST_SERVER
+        if missing is not None:
+            sys.exit(f"remote.py: {missing} (or pass --url)")
         for kind in args.kind or ["node", "cluster"]:
             print(f"{kind}:", file=sys.stderr)
             results[kind] = with_servers(kind, run(kind == "cluster"))
