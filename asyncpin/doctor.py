@@ -354,11 +354,12 @@ def _check_cuda(cuda: CudaInfo, backend: str) -> Check:
         build = (
             f"torch built for CUDA {cuda.torch_cuda}" if cuda.torch_cuda else "a CPU build of torch"
         )
-        status: Status = "fail" if backend == "cuda" else "warn"
+        asked = backend == "cuda"
+        then = "the cuda backend cannot run" if asked else "the host backend pins with mlock"
         return Check(
             "cuda",
-            status,
-            f"no GPU visible ({build}); the host backend pins with mlock",
+            "fail" if asked else "warn",
+            f"no GPU visible ({build}); {then}",
             "for GPU offload: a CUDA build of torch, an NVIDIA driver, and the GPU visible "
             "(nvidia-smi; CUDA_VISIBLE_DEVICES)",
         )

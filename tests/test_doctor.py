@@ -267,6 +267,7 @@ class TestCuda:
         checks = by_name(run_checks())
         assert checks["cuda"].status == "warn"
         assert "no GPU visible (a CPU build of torch)" in checks["cuda"].value
+        assert checks["cuda"].value.endswith("the host backend pins with mlock")
         assert checks["batch_copy"] == Check("batch_copy", "warn", "no GPU")
 
     def test_no_gpu_fails_when_cuda_is_asked_for(self, machine: Machine) -> None:
@@ -274,6 +275,8 @@ class TestCuda:
         check = the("cuda", backend="cuda")
         assert check.status == "fail"
         assert "torch built for CUDA 12.8" in check.value
+        # Not the host backend's fallback: the backend asked for is cuda.
+        assert check.value.endswith("the cuda backend cannot run"), check.value
 
     def test_gpu_and_versions(self, machine: Machine) -> None:
         check = the("cuda")
