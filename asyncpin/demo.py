@@ -72,7 +72,7 @@ async def _pin_and_close(
     )
     outcome.manager = mgr
     async with mgr:
-        report.entered(mgr.stats())
+        report.entered(mgr.stats(), mgr.region_name)
         with report.progress(mgr.nbytes) as update:
             while not mgr.pinned.is_set():
                 with anyio.move_on_after(_REFRESH_S):
@@ -151,13 +151,14 @@ class _Report:
             ]
         )
 
-    def entered(self, stats: ManagerStats) -> None:
+    def entered(self, stats: ManagerStats, region_name: str | None) -> None:
         enter_ms = (stats.seconds_to_enter or 0.0) * 1e3
+        where = f" (/dev/shm/{region_name})" if region_name else ""
         self._line(
             [
                 (
                     f"entered in {enter_ms:.2f} ms; "
-                    f"pinning {_chunks(stats.chunks_total)} in the background",
+                    f"pinning {_chunks(stats.chunks_total)}{where} in the background",
                     "",
                 )
             ]
@@ -174,6 +175,7 @@ class _Report:
         locked_after = _sys.vm_locked_bytes()
         if self.as_json:
             doc = {
+                "region_name": outcome.manager.region_name,  # /dev/shm/<name> when shared
                 "stats": asdict(final),
                 "at_pinned": asdict(pinned),
                 "pinned_over_enter": ratio,

@@ -79,8 +79,16 @@ class TestDemoPinsAndCloses:
             "--json",
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
-        assert json.loads(proc.stdout)["stats"]["backing"] == "shared"
+        doc = json.loads(proc.stdout)
+        assert doc["stats"]["backing"] == "shared"
+        assert doc["region_name"] == shm_name  # where it lived, said
         assert not (Path("/dev/shm") / shm_name).exists()
+
+    def test_the_table_names_the_shared_file(self, shm_name: str) -> None:
+        args = ("--size", "8MiB", "--backend", "host", "--backing", "shared", "--name", shm_name)
+        proc = demo(*args)
+        assert proc.returncode == 0, proc.stderr
+        assert f"/dev/shm/{shm_name}" in proc.stdout
 
 
 def closed_stdout(*args: str) -> subprocess.CompletedProcess[str]:
