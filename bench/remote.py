@@ -342,10 +342,7 @@ def with_servers(kind: str, run: Callable[[str, Sequence[int]], dict[str, Any]])
         doc["loadavg_before_after"] = [load_before, os.getloadavg()]
         info = nodes[0].command("INFO", "server")
         assert isinstance(info, bytes)
-        fields = dict(line.split(":", 1) for line in info.decode().splitlines() if ":" in line)
-        # Valkey reports the Redis version it is compatible with, and its own.
-        doc["server"] = fields.get("server_name", "redis")
-        doc["server_version"] = fields.get("valkey_version", fields["redis_version"])
+        doc["server"], doc["server_version"] = _server_of(info.decode())
         return doc
     finally:
         servers.stop()
@@ -439,6 +436,20 @@ def main() -> int:
     if args.url is not None:
         kind = "cluster" if args.cluster else "node"
         results[kind] = run(args.cluster)(args.url, [])
+        # A node's INFO (for a cluster, the one the client asks first).
+        client: Any = (redis.RedisCluster if args.cluster else redis.Redis).from_url(args.url)
+        try:
+            info = (
+                client.execute_command("INFO", "server", target_nodes="random")
+                if args.cluster
+                else client.execute_command("INFO", "server")
+            )
+        finally:
+            client.close()
+        text = (
+            "\n".join(f"{k}:{v}" for k, v in info.items()) if isinstance(info, dict) else str(info)
+        )
+        results[kind]["server"], results[kind]["server_version"] = _server_of(text)
     else:
         from tests.redis_servers import available
 
@@ -465,6 +476,14 @@ def main() -> int:
     sys.stderr.flush()
     print_table(doc)
     return 0
+
+
+def _server_of(info: str) -> tuple[str, str]:
+    """The server's name and version from its ``INFO server`` text. Valkey reports the
+    Redis version it is compatible with, and its own."""
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    name = fields.get("server_name", "redis").strip()
+    return name, fields.get("valkey_version", fields.get("redis_version", "?")).strip()
 
 
 def _hiredis_version() -> str | None:

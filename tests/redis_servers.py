@@ -54,11 +54,19 @@ class RedisReplyError(Exception):
     """An error reply of the server (``-ERR ...``, ``-OOM ...``, ``-MOVED ...``)."""
 
 
+def _required(reason: str | None) -> str | None:
+    """``reason``, unless ``ASYNCPIN_TEST_SERVER_REQUIRED=1`` says that the servers must
+    run (as in .ci/run's Valkey pass): then a RuntimeError, so that nothing is skipped."""
+    if reason is not None and os.environ.get("ASYNCPIN_TEST_SERVER_REQUIRED") == "1":
+        raise RuntimeError(f"ASYNCPIN_TEST_SERVER_REQUIRED=1, but {reason}")
+    return reason
+
+
 def available() -> str | None:
     """Why the servers cannot run here (a skip reason), or None when they can."""
     missing = [name for name in (SERVER_BIN, CLI_BIN) if shutil.which(name) is None]
     if missing:
-        return (
+        return _required(
             f"{' and '.join(missing)} not on PATH: install the {SERVER_BIN} package "
             f"(`apt-get install {SERVER_BIN}`; .ci/run does)"
         )
@@ -175,7 +183,9 @@ def free_port(*, cluster: bool = False) -> int:
 def tls_available() -> str | None:
     """Why a TLS server cannot run here (a skip reason), or None when it can."""
     if shutil.which("openssl") is None:
-        return "openssl not on PATH (it makes the TLS server's certificate): install openssl"
+        return _required(
+            "openssl not on PATH (it makes the TLS server's certificate): install openssl"
+        )
     return None
 
 

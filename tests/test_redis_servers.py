@@ -334,3 +334,24 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("required", [None, "1"])
+def test_a_missing_server_skips_unless_required(
+    monkeypatch: pytest.MonkeyPatch, required: str | None
+) -> None:
+    """.ci/run's Valkey pass sets ASYNCPIN_TEST_SERVER_REQUIRED=1: a server missing there
+    fails the tests, where elsewhere it skips them (a pass that skipped everything would
+    pass)."""
+    import tests.redis_servers as servers
+
+    monkeypatch.setattr(servers, "SERVER_BIN", "asyncpin-no-such-server")
+    monkeypatch.setattr(servers, "CLI_BIN", "asyncpin-no-such-cli")
+    if required is None:
+        monkeypatch.delenv("ASYNCPIN_TEST_SERVER_REQUIRED", raising=False)
+        reason = servers.available()
+        assert reason is not None and "asyncpin-no-such-server" in reason
+    else:
+        monkeypatch.setenv("ASYNCPIN_TEST_SERVER_REQUIRED", required)
+        with pytest.raises(RuntimeError, match="asyncpin-no-such-server"):
+            servers.available()
