@@ -126,12 +126,10 @@ class CudaTransferEngine:
         try:
             kernel = load_kernel(self._rt)
         except BackendCallError as exc:
-            # methods() offered pack and kernel: they run as batch, saying why.
             self._misaligned = f"the copy kernel could not be loaded: {exc}"
+        if self._kernel_methods and self._misaligned is not None:
+            # methods() offered pack and kernel: they run as batch, saying why.
             _log.warning("transfer.kernel_disabled", reason=self._misaligned, fallback="batch")
-        else:
-            if kernel is not None and self._misaligned is not None:
-                _log.warning("transfer.kernel_disabled", reason=self._misaligned, fallback="batch")
         self._copies.kernel = kernel if self._misaligned is None else None
         self._completion.start()
         self._submitter.start()
