@@ -31,8 +31,10 @@ thread failed every capture; ``install_capture_gate()`` is on for every recipe, 
 holds asyncpin's calls). First, ``quiet``: two seconds of the step, the captures and
 the heartbeat with nothing of the tier running, the longest step and lag the setting
 gives by itself. Each phase's worst lag comes with the loop thread's stack at
-that moment (sampled by a watchdog thread), and each pin and unpin call is timed, to see
-where the time goes.
+that moment (sampled by a watchdog thread; ``--stacks kernel`` adds the loop thread's
+kernel stack and those of the threads blocked in the kernel then, read from
+``/proc/self/task`` where that is allowed: root; ``--stacks none``: no watchdog, whose
+sampling takes the GIL), and each pin and unpin call is timed, to see where the time goes.
 
 ``--cold SIZE``: before anything else (after a manager of one block has loaded the copy
 kernel), ``asyncpin`` then the ``vllm`` recipe at SIZE, the manager kept open until the
@@ -112,17 +114,27 @@ class Heartbeat:
     watchdog thread samples the loop thread's stack while the wake is 2 ms late or more,
     so the worst lag of a phase comes with what the loop was doing."""
 
-    def __init__(self) -> None:
+    def __init__(self, stacks: str = "python") -> None:
+        # "python": the loop's Python stack; "kernel": its kernel stack too, and those of
+        # threads blocked in the kernel; "none": no watchdog (it takes the GIL to sample,
+        # which a blocked loop's own work then waits for).
+        self.stacks_mode = stacks
         self.samples: list[tuple[float, float]] = []  # (wake time, lag)
         self.stacks: list[tuple[float, str]] = []  # (time, the loop's innermost frames)
+        # (time, the loop thread's state and kernel stack, other threads blocked in the
+        # kernel: state D, with theirs), where /proc/<tid>/stack can be read (root).
+        self.kernel: list[tuple[float, str, str]] = []
         self._deadline = Clock.now() + 0.001
         self._tid = threading.get_ident()
+        self._native = threading.get_native_id()
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, daemon=True)
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         self._tid = threading.get_ident()
-        self._watchdog.start()
+        self._native = threading.get_native_id()
+        if self.stacks_mode != "none":
+            self._watchdog.start()
         task_status.started()
         try:
             while True:
@@ -150,12 +162,15 @@ class Heartbeat:
             if where != last:
                 self.stacks.append((now, where))
                 last = where
+            loop = _kernel_state(self._native) if self.stacks_mode == "kernel" else None
+            if loop is not None:
+                self.kernel.append((now, loop, _blocked_threads(exclude=self._native)))
 
     def worst(self, start: float, end: float) -> tuple[float, str, tuple[float, float]]:
         """The worst lag inside [start, end] (a wake at t late by L was blocked over
         [t - L, t]; only the part inside the window counts), the loop thread's stack
         sampled during it, and when it was."""
-        lag, at = 0.0, (0.0, 0.0)
+        lag, at = 0.0, (start, start)
         for t, late in self.samples:
             inside = min(t, end) - max(t - late, start)
             if inside > lag:
@@ -163,6 +178,59 @@ class Heartbeat:
         where = [s for t, s in self.stacks if at[0] <= t <= at[1]]
         counts = collections.Counter(where).most_common(1)
         return lag, counts[0][0] if counts else "", at
+
+    def kernel_during(self, start: float, end: float) -> dict[str, Any]:
+        """What the kernel stacks sampled in [start, end] show: the loop thread's, and
+        those of the threads blocked in the kernel (state D) meanwhile, most common
+        first, with how many samples each."""
+        inside = [(loop, others) for t, loop, others in self.kernel if start <= t <= end]
+        return {
+            "samples": len(inside),
+            "loop": collections.Counter(loop for loop, _ in inside).most_common(3),
+            "blocked": collections.Counter(
+                other for _, others in inside for other in others.split(" | ") if other
+            ).most_common(5),
+        }
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _kernel_frames(tid: int, depth: int = 6) -> str:
+    """A thread's kernel stack, innermost first, without offsets (root only)."""
+    text = _read(f"/proc/self/task/{tid}/stack") or ""
+    frames = [line.split("] ", 1)[-1].split("+", 1)[0] for line in text.splitlines()]
+    return " < ".join(frames[:depth])
+
+
+def _kernel_state(tid: int) -> str | None:
+    """``state: kernel stack`` of one of this process's threads, or None where the
+    kernel stack cannot be read."""
+    stat = _read(f"/proc/self/task/{tid}/stat")
+    frames = _kernel_frames(tid)
+    if stat is None or not frames:
+        return None
+    return f"{stat.rsplit(')', 1)[-1].split()[0]}: {frames}"
+
+
+def _blocked_threads(exclude: int) -> str:
+    """This process's other threads in uninterruptible sleep (state D): ``name: kernel
+    stack``, joined by `` | ``."""
+    out = []
+    for entry in Path("/proc/self/task").iterdir():
+        tid = int(entry.name)
+        stat = _read(f"/proc/self/task/{tid}/stat")
+        if tid == exclude or stat is None:
+            continue
+        name, rest = stat.split("(", 1)[1].rsplit(")", 1)
+        if rest.split()[0] == "D":
+            out.append(f"{name}: {_kernel_frames(tid, 4)}")
+    return " | ".join(out)
 
 
 class StepLog(GpuStepper):
@@ -415,6 +483,7 @@ def phases(run: Run, hb: Heartbeat, steps: StepLog | None, step_alone: float) ->
         lag, where, (lo, hi) = hb.worst(start, end)
         out[f"lag_{phase}_s"] = lag
         out[f"lag_{phase}_at"] = where
+        out[f"lag_{phase}_kernel"] = hb.kernel_during(lo, hi)
         # When the worst lag was (from the phase's start), and the backend's calls under
         # way then: (name, start from the phase's start, duration).
         out[f"lag_{phase}_window"] = [round(lo - start, 4), round(hi - start, 4)]
@@ -466,6 +535,14 @@ async def one(
             file=sys.stderr,
             flush=True,
         )
+        kernel = result[f"lag_{phase}_kernel"]
+        if kernel["samples"]:
+            print(
+                f"    kernel stacks then ({kernel['samples']} samples): loop "
+                f"{kernel['loop'][:2]}; blocked {kernel['blocked'][:3]}",
+                file=sys.stderr,
+                flush=True,
+            )
     return result
 
 
@@ -521,8 +598,14 @@ async def bench(args: Any) -> dict[str, Any]:
     alone = steps.alone_s() if steps is not None else 0.0
     capturer = Capturer() if gpu else None
     gate = install_capture_gate()
-    hb = Heartbeat()
-    doc: dict[str, Any] = {"machine": machine(), "step_alone_s": alone, "sizes": {}}
+    hb = Heartbeat(args.stacks)
+    doc: dict[str, Any] = {
+        "machine": machine(),
+        "step_alone_s": alone,
+        "stacks": args.stacks,
+        "chunk_bytes_asked": args.chunk_bytes,
+        "sizes": {},
+    }
     async with anyio.create_task_group() as tg:
         await tg.start(hb.run)
         if steps is not None:
@@ -658,6 +741,12 @@ def main() -> int:
     p.add_argument("--chunk-bytes", type=parse_size, default=None, help="default: the library's")
     p.add_argument("--pin-threads", type=int, default=0, help="0: the library's default")
     p.add_argument("--trips", type=int, default=20, help="store/load round trips when ready")
+    p.add_argument(
+        "--stacks",
+        choices=("python", "kernel", "none"),
+        default="python",
+        help="what the watchdog samples while the loop is late (kernel: needs root)",
+    )
     args = p.parse_args()
     if args.quick:
         args.size, args.repeats, args.trips = [8 << 20], 1, 2
