@@ -49,8 +49,12 @@ from __future__ import annotations
 import collections
 import ctypes
 import ctypes.util
+import json
 import mmap
+import os
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -88,6 +92,8 @@ _LIBC.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
 _LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _LIBC.mlock.argtypes = _LIBC.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 PIN_THREADS = 0  # --pin-threads (0: the library's default)
+# Threads' native ids → what they are, for the kernel stacks (--stacks kernel).
+ROLES: dict[int, str] = {}
 HOST_BLOCK = 2 * 32 * TOKENS * HEADS * HEAD_DIM * 2  # 2 MiB: 64 arrays of 32 KiB
 LAYERS = 32
 
@@ -115,24 +121,22 @@ class Heartbeat:
     so the worst lag of a phase comes with what the loop was doing."""
 
     def __init__(self, stacks: str = "python") -> None:
-        # "python": the loop's Python stack; "kernel": its kernel stack too, and those of
-        # threads blocked in the kernel; "none": no watchdog (it takes the GIL to sample,
-        # which a blocked loop's own work then waits for).
+        # "python" and "kernel": the loop's Python stack ("kernel": ``KernelStacks`` as
+        # well); "none": no watchdog (it takes the GIL to sample, which a blocked loop's
+        # own work then waits for).
         self.stacks_mode = stacks
         self.samples: list[tuple[float, float]] = []  # (wake time, lag)
         self.stacks: list[tuple[float, str]] = []  # (time, the loop's innermost frames)
-        # (time, the loop thread's state and kernel stack, other threads blocked in the
-        # kernel: state D, with theirs), where /proc/<tid>/stack can be read (root).
-        self.kernel: list[tuple[float, str, str]] = []
         self._deadline = Clock.now() + 0.001
         self._tid = threading.get_ident()
-        self._native = threading.get_native_id()
+        self.native_id = threading.get_native_id()
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, daemon=True)
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         self._tid = threading.get_ident()
-        self._native = threading.get_native_id()
+        self.native_id = threading.get_native_id()
+        ROLES[self.native_id] = "loop"
         if self.stacks_mode != "none":
             self._watchdog.start()
         task_status.started()
@@ -146,6 +150,7 @@ class Heartbeat:
             self._stop.set()
 
     def _watch(self) -> None:
+        ROLES[threading.get_native_id()] = "watchdog"
         last = ""
         while not self._stop.wait(0.0005):
             now = Clock.now()
@@ -162,9 +167,6 @@ class Heartbeat:
             if where != last:
                 self.stacks.append((now, where))
                 last = where
-            loop = _kernel_state(self._native) if self.stacks_mode == "kernel" else None
-            if loop is not None:
-                self.kernel.append((now, loop, _blocked_threads(exclude=self._native)))
 
     def worst(self, start: float, end: float) -> tuple[float, str, tuple[float, float]]:
         """The worst lag inside [start, end] (a wake at t late by L was blocked over
@@ -179,58 +181,60 @@ class Heartbeat:
         counts = collections.Counter(where).most_common(1)
         return lag, counts[0][0] if counts else "", at
 
-    def kernel_during(self, start: float, end: float) -> dict[str, Any]:
-        """What the kernel stacks sampled in [start, end] show: the loop thread's, and
-        those of the threads blocked in the kernel (state D) meanwhile, most common
-        first, with how many samples each."""
-        inside = [(loop, others) for t, loop, others in self.kernel if start <= t <= end]
+
+class KernelStacks:
+    """``bench/_kstacks.py`` in a process of its own for the span of one run: the kernel
+    stacks of this process's threads blocked in the kernel, and the event loop's."""
+
+    def __init__(self, loop_tid: int) -> None:
+        self._out = Path(tempfile.mkstemp(prefix="kstacks-", suffix=".json")[1])
+        script = Path(__file__).with_name("_kstacks.py")
+        self._proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(script),
+                str(os.getpid()),
+                str(self._out),
+                "0.0005",
+                str(loop_tid),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        assert self._proc.stdout is not None
+        self._proc.stdout.readline()  # its first sweep is done: the run may start
+        self.spans: list[list[Any]] = []
+        self.sweeps = 0
+
+    def stop(self) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()
+        self._proc.wait(timeout=60)
+        if self._out.stat().st_size:
+            doc = json.loads(self._out.read_text())
+            self.spans, self.sweeps = doc["spans"], doc["sweeps"]
+        self._out.unlink()
+
+    def during(self, start: float, end: float, roles: dict[int, str]) -> dict[str, Any]:
+        """What the threads were doing in [start, end] (the bench's clock): the loop's
+        kernel stacks, and the stacks of threads in state D, each with the seconds it was
+        seen so (a span's first to last sample, at least one interval), most first."""
+        lo, hi = start + Clock.t0, end + Clock.t0
+        loop: collections.Counter[str] = collections.Counter()
+        blocked: collections.Counter[str] = collections.Counter()
+        for tid, _name, first, last, state, stack in self.spans:
+            seen = min(last + 0.0005, hi) - max(first, lo)
+            if seen <= 0:
+                continue
+            role = roles.get(tid, "thread")
+            if role == "loop":
+                loop[f"{state}: {stack}"] += seen
+            if state == "D":
+                blocked[f"{role}: {stack}"] += seen
         return {
-            "samples": len(inside),
-            "loop": collections.Counter(loop for loop, _ in inside).most_common(3),
-            "blocked": collections.Counter(
-                other for _, others in inside for other in others.split(" | ") if other
-            ).most_common(5),
+            "loop": [[k, round(v, 4)] for k, v in loop.most_common(3)],
+            "blocked": [[k, round(v, 4)] for k, v in blocked.most_common(6)],
         }
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def _kernel_frames(tid: int, depth: int = 6) -> str:
-    """A thread's kernel stack, innermost first, without offsets (root only)."""
-    text = _read(f"/proc/self/task/{tid}/stack") or ""
-    frames = [line.split("] ", 1)[-1].split("+", 1)[0] for line in text.splitlines()]
-    return " < ".join(frames[:depth])
-
-
-def _kernel_state(tid: int) -> str | None:
-    """``state: kernel stack`` of one of this process's threads, or None where the
-    kernel stack cannot be read."""
-    stat = _read(f"/proc/self/task/{tid}/stat")
-    frames = _kernel_frames(tid)
-    if stat is None or not frames:
-        return None
-    return f"{stat.rsplit(')', 1)[-1].split()[0]}: {frames}"
-
-
-def _blocked_threads(exclude: int) -> str:
-    """This process's other threads in uninterruptible sleep (state D): ``name: kernel
-    stack``, joined by `` | ``."""
-    out = []
-    for entry in Path("/proc/self/task").iterdir():
-        tid = int(entry.name)
-        stat = _read(f"/proc/self/task/{tid}/stat")
-        if tid == exclude or stat is None:
-            continue
-        name, rest = stat.split("(", 1)[1].rsplit(")", 1)
-        if rest.split()[0] == "D":
-            out.append(f"{name}: {_kernel_frames(tid, 4)}")
-    return " | ".join(out)
 
 
 class StepLog(GpuStepper):
@@ -253,6 +257,7 @@ class StepLog(GpuStepper):
         return time.perf_counter() - t0
 
     def _run(self) -> None:
+        ROLES[threading.get_native_id()] = "step"
         while not self._stop.is_set():
             start = Clock.now()
             try:
@@ -290,6 +295,7 @@ class Capturer:
         self._thread.join()
 
     def _run(self) -> None:
+        ROLES[threading.get_native_id()] = "capture"
         while not self._stop.wait(0.02):
             try:
                 graph = torch.cuda.CUDAGraph()
@@ -326,6 +332,7 @@ class TimedBackend:
         t1 = Clock.now()
         self.pins.append(t1 - t0)
         self.calls.append(("pin", t0, t1))
+        ROLES[threading.get_native_id()] = "pin"
 
     def unpin(self, address: int, nbytes: int) -> None:
         t0 = Clock.now()
@@ -464,10 +471,19 @@ async def peer_run(run: Run, opener: Callable[[Run], Any]) -> None:
     await anyio.sleep(0.005)
 
 
-def phases(run: Run, hb: Heartbeat, steps: StepLog | None, step_alone: float) -> dict[str, Any]:
+def phases(
+    run: Run,
+    hb: Heartbeat,
+    steps: StepLog | None,
+    step_alone: float,
+    kstacks: KernelStacks | None = None,
+) -> dict[str, Any]:
     m = run.marks
     windows = {
         "opening": (m["start"], m["ready"]),
+        # Opening's two parts: the body of `async with` entered, then pinned.
+        "entering": (m["start"], m["entered"]),
+        "pinning": (m["entered"], m["ready"]),
         "serving": (m["ready"], m["served"]),
         "closing": (m["close"], m["closed"]),
     }
@@ -483,7 +499,8 @@ def phases(run: Run, hb: Heartbeat, steps: StepLog | None, step_alone: float) ->
         lag, where, (lo, hi) = hb.worst(start, end)
         out[f"lag_{phase}_s"] = lag
         out[f"lag_{phase}_at"] = where
-        out[f"lag_{phase}_kernel"] = hb.kernel_during(lo, hi)
+        if kstacks is not None:
+            out[f"lag_{phase}_kernel"] = kstacks.during(lo, hi, ROLES)
         # When the worst lag was (from the phase's start), and the backend's calls under
         # way then: (name, start from the phase's start, duration).
         out[f"lag_{phase}_window"] = [round(lo - start, 4), round(hi - start, 4)]
@@ -492,7 +509,7 @@ def phases(run: Run, hb: Heartbeat, steps: StepLog | None, step_alone: float) ->
             for name, a, b in run.calls
             if a <= hi and b >= lo
         ]
-        if steps is not None and phase != "serving":
+        if steps is not None and phase in ("opening", "pinning", "closing"):
             out[f"stretch_{phase}"] = steps.longest(start, end) / step_alone
             out[f"steps_{phase}"] = [
                 [round(s - start, 4), round(e - s, 4)] for s, e in steps.within(start, end)
@@ -504,29 +521,35 @@ async def one(
     recipe: str, nbytes: int, hb: Heartbeat, steps: StepLog | None, step_alone: float, args: Any
 ) -> dict[str, Any]:
     run = Run(recipe, nbytes)
-    if recipe == "asyncpin":
-        layout, arrays = kv_layout(256 if torch.cuda.is_available() else 4)
-        await asyncpin_run(run, layout, args.trips, args.chunk_bytes)
-        del arrays
-    else:
-        await peer_run(run, vllm_open if recipe == "vllm" else seed_open)
-    await anyio.sleep(0.01)
-    result = phases(run, hb, steps, step_alone)
+    kstacks = KernelStacks(hb.native_id) if args.stacks == "kernel" else None
+    try:
+        if recipe == "asyncpin":
+            layout, arrays = kv_layout(256 if torch.cuda.is_available() else 4)
+            await asyncpin_run(run, layout, args.trips, args.chunk_bytes)
+            del arrays
+        else:
+            await peer_run(run, vllm_open if recipe == "vllm" else seed_open)
+        await anyio.sleep(0.01)
+    finally:
+        if kstacks is not None:
+            kstacks.stop()
+    result = phases(run, hb, steps, step_alone, kstacks)
     stretch = result.get("stretch_opening")
     print(
         f"  {format_bytes(nbytes)} {recipe}: enter {result['enter_s'] * 1e3:.1f} ms, ready "
-        f"{result['ready_s']:.2f} s, close {result['close_s']:.2f} s, lag open/serve/close "
-        f"{result['lag_opening_s'] * 1e3:.1f}/{result['lag_serving_s'] * 1e3:.1f}/"
-        f"{result['lag_closing_s'] * 1e3:.1f} ms"
+        f"{result['ready_s']:.2f} s, close {result['close_s']:.2f} s, lag enter/pin/serve/close "
+        f"{result['lag_entering_s'] * 1e3:.1f}/{result['lag_pinning_s'] * 1e3:.1f}/"
+        f"{result['lag_serving_s'] * 1e3:.1f}/{result['lag_closing_s'] * 1e3:.1f} ms"
         + (
-            f", step x{stretch:.2f} open / x{result['stretch_closing']:.2f} close"
+            f", step x{stretch:.2f} open (x{result['stretch_pinning']:.2f} pinning) / "
+            f"x{result['stretch_closing']:.2f} close"
             if stretch is not None
             else ""
         ),
         file=sys.stderr,
         flush=True,
     )
-    for phase in ("opening", "closing"):
+    for phase in ("entering", "pinning", "closing"):
         lo, hi = result[f"lag_{phase}_window"]
         long_calls = [c for c in result[f"lag_{phase}_calls"] if c[2] >= 0.05]
         print(
@@ -535,11 +558,11 @@ async def one(
             file=sys.stderr,
             flush=True,
         )
-        kernel = result[f"lag_{phase}_kernel"]
-        if kernel["samples"]:
+        kernel = result.get(f"lag_{phase}_kernel")
+        if kernel is not None:
             print(
-                f"    kernel stacks then ({kernel['samples']} samples): loop "
-                f"{kernel['loop'][:2]}; blocked {kernel['blocked'][:3]}",
+                f"    kernel stacks then (thread: stack, seconds seen): loop "
+                f"{kernel['loop'][:2]}; blocked {kernel['blocked'][:4]}",
                 file=sys.stderr,
                 flush=True,
             )
