@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import anyio
 
@@ -35,9 +35,11 @@ class ChunkState(enum.Enum):
 class ChunkTable:
     """Chunks of equal size (the last may be shorter), from the region's start."""
 
-    def __init__(self, chunks: list[Chunk]) -> None:
+    def __init__(self, chunks: Sequence[Chunk]) -> None:
         self.chunks = chunks
         self._size = chunks[0].nbytes if chunks else 1
+        #: Bytes the chunks span, from the first's start.
+        self.nbytes = chunks[-1].offset + chunks[-1].nbytes if chunks else 0
         self._states = [ChunkState.PENDING] * len(chunks)
         self._lock = threading.Lock()
         self.pinned_bytes = 0

@@ -14,7 +14,7 @@ import errno
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -87,7 +87,7 @@ class PinScheduler:
         self,
         region: HostRegion,
         backend: PinBackend,
-        chunks: list[Chunk],
+        chunks: Sequence[Chunk],
         *,
         prefault_threads: int,
         pin_threads: int,
@@ -217,7 +217,7 @@ class PinScheduler:
         elif self.table.all_pinned():
             assert self.finished_at is not None
             self.seconds_to_pinned = self.finished_at - self.started_at
-            nbytes = sum(chunk.nbytes for chunk in self.chunks)
+            nbytes = self.table.nbytes
             seconds = self.seconds_to_pinned
             self._log.info(
                 "pin.complete",

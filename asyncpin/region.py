@@ -14,9 +14,9 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import anyio
 import torch
@@ -48,6 +48,7 @@ __all__ = [
     "PREFAULT_PIECE_BYTES",
     "Backing",
     "Chunk",
+    "Chunks",
     "HostRegion",
     "HugePages",
     "hugetlb_free_bytes",
@@ -97,6 +98,39 @@ class Chunk:
     index: int
     offset: int
     nbytes: int
+
+
+class Chunks(Sequence[Chunk]):
+    """A region's chunks in order, each made when it is asked for: a region of 1 TiB in
+    16 MiB chunks has 65536, and making them all up front took milliseconds of the event
+    loop at entry (and fed the garbage collector)."""
+
+    __slots__ = ("_chunk_bytes", "_count", "_nbytes")
+
+    def __init__(self, nbytes: int, chunk_bytes: int) -> None:
+        self._nbytes = nbytes
+        self._chunk_bytes = chunk_bytes
+        self._count = -(-nbytes // chunk_bytes)
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> Chunk: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Chunk]: ...
+    def __getitem__(self, index: int | slice) -> Chunk | list[Chunk]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError(f"chunk {index} of {self._count}")
+        offset = index * self._chunk_bytes
+        return Chunk(index, offset, min(self._chunk_bytes, self._nbytes - offset))
+
+    def __repr__(self) -> str:
+        return f"Chunks({self._count} of {self._chunk_bytes} bytes over {self._nbytes})"
 
 
 class HostRegion:
@@ -266,17 +300,15 @@ class HostRegion:
         """Bytes still mapped after release because views of them are alive (0 otherwise)."""
         return self.nbytes if self._closed and self._mapping_ref() is not None else 0
 
-    def chunks(self, chunk_bytes: int) -> list[Chunk]:
-        """Cut the region into ``chunk_bytes`` pieces (a page multiple); the last may be short."""
+    def chunks(self, chunk_bytes: int) -> Chunks:
+        """Cut the region into ``chunk_bytes`` pieces (a page multiple); the last may be
+        short. A sequence whose chunks are made as they are read."""
         if chunk_bytes <= 0 or chunk_bytes % _sys.PAGE_SIZE:
             raise ConfigError(
                 f"chunk_bytes={chunk_bytes} must be a positive multiple of the page size "
                 f"({_sys.PAGE_SIZE})"
             )
-        return [
-            Chunk(i, offset, min(chunk_bytes, self.nbytes - offset))
-            for i, offset in enumerate(range(0, self.nbytes, chunk_bytes))
-        ]
+        return Chunks(self.nbytes, chunk_bytes)
 
     def view(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
         """A uint8 tensor over ``[offset, offset + nbytes)``. It (and every tensor made

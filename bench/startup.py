@@ -32,9 +32,11 @@ holds asyncpin's calls). First, ``quiet``: two seconds of the step, the captures
 the heartbeat with nothing of the tier running, the longest step and lag the setting
 gives by itself. Each phase's worst lag comes with the loop thread's stack at
 that moment (sampled by a watchdog thread; ``--stacks kernel`` adds the loop thread's
-kernel stack and those of the threads blocked in the kernel then, read from
-``/proc/self/task`` where that is allowed: root; ``--stacks none``: no watchdog, whose
-sampling takes the GIL), and each pin and unpin call is timed, to see where the time goes.
+kernel stack and those of the threads blocked in the kernel then, which
+``bench/_kstacks.py`` reads from ``/proc/PID/task`` in a process of its own, where that
+is allowed: root; ``--stacks none``: no watchdog, whose
+sampling takes the GIL), each pin and unpin call is timed, and the garbage collections
+that fall in a phase's worst lag are listed, to see where the time goes.
 
 ``--cold SIZE``: before anything else (after a manager of one block has loaded the copy
 kernel), ``asyncpin`` then the ``vllm`` recipe at SIZE, the manager kept open until the
@@ -49,6 +51,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import ctypes.util
+import gc
 import json
 import mmap
 import os
@@ -94,6 +97,19 @@ _LIBC.mlock.argtypes = _LIBC.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_
 PIN_THREADS = 0  # --pin-threads (0: the library's default)
 # Threads' native ids → what they are, for the kernel stacks (--stacks kernel).
 ROLES: dict[int, str] = {}
+# The interpreter's garbage collections: (generation, start, end) on the bench's clock.
+# A collection holds the GIL, so every Python thread, the event loop's too, waits it out.
+GC_SPANS: list[tuple[int, float, float]] = []
+_gc_started = [0.0]
+
+
+def _on_gc(phase: str, info: dict[str, int]) -> None:
+    if phase == "start":
+        _gc_started[0] = Clock.now()
+    else:
+        GC_SPANS.append((info["generation"], _gc_started[0], Clock.now()))
+
+
 HOST_BLOCK = 2 * 32 * TOKENS * HEADS * HEAD_DIM * 2  # 2 MiB: 64 arrays of 32 KiB
 LAYERS = 32
 
@@ -509,6 +525,12 @@ def phases(
             for name, a, b in run.calls
             if a <= hi and b >= lo
         ]
+        # Garbage collections then: (generation, start from the phase's start, duration).
+        out[f"lag_{phase}_gc"] = [
+            [gen, round(a - start, 4), round(b - a, 4)]
+            for gen, a, b in GC_SPANS
+            if a <= hi and b >= lo
+        ]
         if steps is not None and phase in ("opening", "pinning", "closing"):
             out[f"stretch_{phase}"] = steps.longest(start, end) / step_alone
             out[f"steps_{phase}"] = [
@@ -554,7 +576,8 @@ async def one(
         long_calls = [c for c in result[f"lag_{phase}_calls"] if c[2] >= 0.05]
         print(
             f"    worst {phase} lag at {lo:.3f}-{hi:.3f} s; backend calls under way then: "
-            f"{len(result[f'lag_{phase}_calls'])}, of 50 ms or more: {long_calls}",
+            f"{len(result[f'lag_{phase}_calls'])}, of 50 ms or more: {long_calls}; "
+            f"garbage collections then: {result[f'lag_{phase}_gc']}",
             file=sys.stderr,
             flush=True,
         )
@@ -779,6 +802,7 @@ def main() -> int:
     global PIN_THREADS
     PIN_THREADS = args.pin_threads
     quiet_logs()
+    gc.callbacks.append(_on_gc)
     doc = anyio.run(bench, args)
     write_json(args.json_out, doc)
     print_table(doc)

@@ -24,6 +24,8 @@ from asyncpin.region import (
     PREFAULT_MAX_PIECE_BYTES,
     PREFAULT_PIECE_BYTES,
     Backing,
+    Chunk,
+    Chunks,
     HostRegion,
     next_prefault_piece,
     validate_backing,
@@ -151,6 +153,19 @@ class TestChunks:
             assert after.offset == before.offset + before.nbytes
         assert sum(c.nbytes for c in chunks) == 37 * PAGE
         assert chunks[-1].nbytes == 2 * PAGE
+
+    def test_chunks_are_a_sequence_made_as_read(self) -> None:
+        chunks = Chunks(10 * PAGE, 4 * PAGE)
+        assert len(chunks) == 3
+        assert chunks[-1] == chunks[2] == Chunk(2, 8 * PAGE, 2 * PAGE)
+        assert chunks[1:] == [Chunk(1, 4 * PAGE, 4 * PAGE), Chunk(2, 8 * PAGE, 2 * PAGE)]
+        assert list(reversed(chunks)) == [chunks[2], chunks[1], chunks[0]]
+        for index in (3, -4):
+            with pytest.raises(IndexError):
+                chunks[index]
+        # 1 TiB in 16 MiB chunks: 65536 of them, none made until read.
+        many = Chunks(1 << 40, 16 * MIB)
+        assert len(many) == 65536 and many[65535] == Chunk(65535, (1 << 40) - 16 * MIB, 16 * MIB)
 
     @pytest.mark.parametrize("chunk_bytes", [0, -PAGE, PAGE + 1, PAGE // 2])
     def test_bad_chunk_size_is_config_error(self, chunk_bytes: int) -> None:
@@ -468,7 +483,7 @@ class TestRelease:
             assert region.closed
             assert is_mapped(address + keep.offset, keep.nbytes)
             for chunk in chunks:
-                if chunk is not keep:
+                if chunk != keep:
                     assert not is_mapped(address + chunk.offset, PAGE), chunk
                     assert not is_mapped(address + chunk.offset + chunk.nbytes - PAGE, PAGE)
             # The kept chunk still holds its data (it was leaked, not freed).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import anyio.to_thread
@@ -156,7 +156,7 @@ async def check_pin_backend(
 
 
 async def _each(
-    name: str, what: str, call: Callable[[Chunk], Awaitable[None]], chunks: list[Chunk]
+    name: str, what: str, call: Callable[[Chunk], Awaitable[None]], chunks: Sequence[Chunk]
 ) -> None:
     """Run ``call`` on every chunk at once; raise AssertionError for the first chunk on
     which it raised (``what``: the call)."""
