@@ -659,6 +659,10 @@ async def bench(args: Any) -> dict[str, Any]:
         if capturer is not None:
             capturer.start()
         try:
+            if args.gc_freeze:
+                gc.collect()
+                gc.freeze()
+                doc["gc_frozen_objects"] = gc.get_freeze_count()
             doc["quiet"] = await quiet(hb, steps, alone, 0.2 if args.quick else 2.0)
             if args.cold:
                 # The copy kernel's load (once per process) out of the cold figures.
@@ -787,6 +791,12 @@ def main() -> int:
     p.add_argument("--chunk-bytes", type=parse_size, default=None, help="default: the library's")
     p.add_argument("--pin-threads", type=int, default=0, help="0: the library's default")
     p.add_argument("--trips", type=int, default=20, help="store/load round trips when ready")
+    p.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.collect() then gc.freeze() once the model's loop runs, before any recipe "
+        "(a server's long-lived heap kept out of the collector's full collections)",
+    )
     p.add_argument(
         "--stacks",
         choices=("python", "kernel", "none"),
