@@ -27,16 +27,37 @@ __all__ = [
     "ManagerConfig",
     "UnpinnedPolicy",
     "check_num_host_blocks",
+    "default_chunk_bytes",
     "default_prefault_threads",
 ]
 
-# The chunk size when none is given, at every region size. Measured on the H200
-# (bench/RESULTS.md): with registrations in torch's context, 16 MiB chunks kept each
-# cudaHostRegister short enough that a concurrent 24 ms GPU step stretched by ~15% at
-# most, at full pinning speed, where 256 MiB chunks stretched it 2.6x; from asyncpin's
-# own context, 100 GiB in 16 MiB chunks stretched a model's step 2.5-2.7x against
-# 7.5-7.9x in 64 MiB chunks, with the same time to pinned and to close (runs 106-107).
+# Measured on the H200 with registrations in torch's context (bench/RESULTS.md#pinning-h200):
+# 16 MiB chunks keep each cudaHostRegister short enough that a concurrent 24 ms GPU step
+# stretches by ~15% at most, at full pinning speed; 256 MiB chunks stretched it 2.6x.
 DEFAULT_CHUNK_BYTES = 16 << 20
+# A larger region gets larger chunks by default (``default_chunk_bytes``).
+_MAX_DEFAULT_CHUNKS = 1024
+_MAX_DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+def default_chunk_bytes(nbytes: int) -> int:
+    """The chunk size when none is given: 16 MiB, and for a region over 16 GiB as much as
+    keeps it to 1024 chunks, up to 64 MiB (a multiple of 2 MiB). Chosen (on the H200)
+    when chunks were registered in torch's context, as ``CudaBackend(own_context=False)``
+    still does: there each unregister at close waits for the whole device to go idle, so
+    fewer chunks stall a running model less and close sooner (64 GiB: 2.8 s in 1024
+    chunks against 7.2 s in 4096), and a larger chunk holds up other threads' launches
+    longer while it is registered (about 1 ms per 16 MiB), which is why it stays bounded.
+    From the backend's own context (the default) neither happens; 64 GiB in 1024 chunks
+    closed in 1.8-2.0 s there (bench/RESULTS.md#startup). 100 GiB in 16 MiB chunks was
+    pinned later than in 64 MiB ones in three of five runs (11.9-13.5 s against
+    7.1-11.4 s: four times the calls, about 1 ms each), so the default stayed (runs
+    106-110)."""
+    per_chunk = -(-nbytes // _MAX_DEFAULT_CHUNKS)
+    chunk = min(max(DEFAULT_CHUNK_BYTES, per_chunk), _MAX_DEFAULT_CHUNK_BYTES)
+    return -(-chunk // HUGE_PAGE) * HUGE_PAGE
+
+
 # Bound on prefault_threads and pin_threads: each is an OS thread, and page faulting
 # stops scaling long before this (and the defaults stay at 8 and 1).
 MAX_THREADS = 64
@@ -106,6 +127,8 @@ class ManagerConfig:
     attach: bool
     #: (rank, ranks): this manager's part of host blocks that ``ranks`` managers share.
     host_slice: tuple[int, int] = (0, 1)
+    #: No chunk_bytes was given: an attacher sizes chunks from the region it finds.
+    chunk_default: bool = False
 
     @property
     def host_block_stride(self) -> int:
@@ -137,8 +160,9 @@ class ManagerConfig:
         size = 0 if attach else validate_nbytes(nbytes)
         # Refused when the manager is made, not first when it is entered.
         validate_region_options(backing, name, hugepages)
+        chunk_default = chunk_bytes is None
         if chunk_bytes is None:
-            chunk_bytes = DEFAULT_CHUNK_BYTES
+            chunk_bytes = default_chunk_bytes(size)
         chunk = _check_chunk_bytes(chunk_bytes, hugepages)
         if prefault_threads is None:
             prefault_threads = default_prefault_threads()
@@ -184,6 +208,7 @@ class ManagerConfig:
             backing=backing,
             name=name,
             chunk_bytes=chunk,
+            chunk_default=chunk_default,
             prefault_threads=prefault,
             pin_threads=pinners,
             pin_interval_s=float(pin_interval_s),

@@ -13,7 +13,7 @@ import anyio.to_thread
 import torch
 
 from asyncpin import _sys
-from asyncpin._config import ManagerConfig
+from asyncpin._config import ManagerConfig, default_chunk_bytes
 from asyncpin._router import TransferRouter
 from asyncpin._tasks import OwnedTasks
 from asyncpin.abc import EngineSetup, PinBackend, TransferEngine
@@ -63,6 +63,10 @@ class Opened:
         (``prepare_in_background``: the CUDA engine, whose kernel load and device
         buffers take up to a second in a fresh process). Nothing is started (``start()``)."""
         region = _map_region(config, backend, log)
+        if config.attach and config.chunk_default:
+            # The region's size is known only now.
+            cap = backend.max_pin_bytes // _sys.PAGE_SIZE * _sys.PAGE_SIZE
+            chunk_bytes = min(default_chunk_bytes(region.nbytes), cap)
         opened: Opened | None = None
         try:
             layout = config.kv_layout

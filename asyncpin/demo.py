@@ -21,7 +21,7 @@ import anyio
 from anyio import CancelScope
 
 from asyncpin import _sys
-from asyncpin._config import DEFAULT_CHUNK_BYTES
+from asyncpin._config import default_chunk_bytes
 from asyncpin.backends import PinBackend, resolve_backend
 from asyncpin.cli import EXIT_ERROR, PROG, default_nbytes, format_bytes, plain_table, stdout
 from asyncpin.manager import OffloadManager
@@ -312,7 +312,7 @@ def _run_demo_guarded(args: argparse.Namespace, guard: SignalGuard) -> int:
                 "`ulimit -l unlimited` or grant CAP_IPC_LOCK"
             )
             return EXIT_ERROR
-    chunk_bytes = DEFAULT_CHUNK_BYTES if args.chunk_mib is None else args.chunk_mib << 20
+    chunk_bytes = default_chunk_bytes(nbytes) if args.chunk_mib is None else args.chunk_mib << 20
     report.started(backend, nbytes, chunk_bytes, args)
     outcome = anyio.run(_demo, args, backend, nbytes, report, guard)
     first = guard.first

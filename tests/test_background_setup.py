@@ -28,7 +28,6 @@ import pytest
 import torch
 
 from asyncpin import InvalidTransferError, KVLayout, OffloadManager, TransferError
-from asyncpin._config import DEFAULT_CHUNK_BYTES
 from asyncpin.abc import EngineSetup
 from asyncpin.region import HostRegion
 from asyncpin.testing import FakeBackend, FakeEngine, is_mapped
@@ -434,27 +433,32 @@ async def test_a_close_aborts_a_set_up_held_by_a_pause(
     assert not is_mapped(*regions[0]) and backend.pinned_spans() == backend.unpinned_spans()
 
 
-async def test_an_attacher_takes_the_default_chunk_or_the_one_given(shm_name: str) -> None:
-    # The default does not depend on the region's size, which an attacher learns only
-    # once attached; the backend's per-call limit caps it.
+async def test_an_attacher_sizes_default_chunks_from_the_region(
+    monkeypatch: pytest.MonkeyPatch, shm_name: str
+) -> None:
+    # The region's size is known only once attached: the default comes from it.
+    import asyncpin._opened as opened_module
+
+    sizes: list[int] = []
+
+    def default(nbytes: int) -> int:
+        sizes.append(nbytes)
+        return 8192
+
+    monkeypatch.setattr(opened_module, "default_chunk_bytes", default)
     with anyio.fail_after(TIMEOUT_S):
         async with OffloadManager(
             64 * 4096, backend=FakeBackend(), backing="shared", name=shm_name
         ) as owner:
             async with OffloadManager.attached(shm_name, backend=FakeBackend()) as other:
                 await other.pinned
-                assert other.nbytes == owner.nbytes
-                assert other.stats().chunk_bytes == DEFAULT_CHUNK_BYTES
-                assert other.stats().chunks_total == 1
+                assert sizes == [other.nbytes] == [owner.nbytes]
+                assert other.stats().chunk_bytes == 8192
+                assert other.stats().chunks_total == 64 * 4096 // 8192
             async with OffloadManager.attached(
                 shm_name, backend=FakeBackend(), chunk_bytes=4096
             ) as given:
-                assert given.stats().chunk_bytes == 4096
-                assert given.stats().chunks_total == 64
-            capped = FakeBackend(max_pin_bytes=8192)
-            async with OffloadManager.attached(shm_name, backend=capped) as small:
-                assert small.stats().chunk_bytes == 8192
-                assert small.stats().chunks_total == 32
+                assert given.stats().chunk_bytes == 4096 and len(sizes) == 1
 
 
 async def test_a_capture_that_begins_during_the_set_up_does_not_deadlock() -> None:

@@ -21,7 +21,7 @@ from asyncpin import (
     PreflightError,
     _sys,
 )
-from asyncpin._config import DEFAULT_CHUNK_BYTES
+from asyncpin._config import default_chunk_bytes
 from asyncpin.region import HostRegion, hugetlb_free_bytes
 from asyncpin.shm import HEADER_BYTES, SHM_DIR
 from asyncpin.testing import FakeBackend
@@ -86,12 +86,22 @@ class TestKnobs:
         with refused(ConfigError, "chunk_bytes", "multiple of the page size", str(PAGE)):
             await open_manager(MIB, backend="host", chunk_bytes=chunk_bytes)
 
-    @pytest.mark.parametrize("nbytes", [MIB, 16 << 30, 17 << 30, (100 << 30) + PAGE, 1 << 40])
-    def test_default_chunk_bytes_is_16_mib_at_every_size(self, nbytes: int) -> None:
-        # Larger chunks hold each registration longer: at 100 GiB, 64 MiB chunks
-        # stretched a model's step 7.5-7.9x against 2.5-2.7x (bench/RESULTS.md).
-        stats = OffloadManager(nbytes, backend=FakeBackend()).stats()
-        assert stats.chunk_bytes == DEFAULT_CHUNK_BYTES == 16 * MIB
+    @pytest.mark.parametrize(
+        ("nbytes", "chunk"),
+        [
+            (MIB, 16 * MIB),
+            (16 << 30, 16 * MIB),
+            (17 << 30, 18 * MIB),
+            (64 << 30, 64 * MIB),
+            ((100 << 30) + PAGE, 64 * MIB),
+            (1 << 40, 64 * MIB),
+        ],
+    )
+    def test_default_chunk_bytes_grow_with_the_region(self, nbytes: int, chunk: int) -> None:
+        # Each unpin at close waits for the device to go idle: fewer chunks for a large
+        # region, and never a chunk that holds the driver's lock much longer.
+        assert default_chunk_bytes(nbytes) == chunk
+        assert OffloadManager(nbytes, backend=FakeBackend()).stats().chunk_bytes == chunk
 
     @pytest.mark.parametrize("knob", ["prefault_threads", "pin_threads"])
     @pytest.mark.parametrize("value", [0, -1, 1.5, True])
