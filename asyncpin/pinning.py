@@ -341,9 +341,10 @@ class PinScheduler:
                 self._before_unpin()
             finally:
                 self.gate.exit_call()
-        for chunk in self.chunks:
-            if not self.table.is_pinned(chunk.index):
+        for index in range(len(self.chunks)):
+            if not self.table.is_pinned(index):
                 continue
+            chunk = self.chunks[index]  # made only for the chunks to unpin
             self.gate.enter_call()
             try:
                 self.backend.unpin(self.region.address + chunk.offset, chunk.nbytes)

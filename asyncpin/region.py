@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import operator
 import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any, Literal, SupportsIndex, overload
 
 import anyio
 import torch
@@ -116,18 +117,35 @@ class Chunks(Sequence[Chunk]):
         return self._count
 
     @overload
-    def __getitem__(self, index: int) -> Chunk: ...
+    def __getitem__(self, index: SupportsIndex) -> Chunk: ...
     @overload
     def __getitem__(self, index: slice) -> list[Chunk]: ...
-    def __getitem__(self, index: int | slice) -> Chunk | list[Chunk]:
+    def __getitem__(self, index: SupportsIndex | slice) -> Chunk | list[Chunk]:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(self._count))]
+        index = int(operator.index(index))  # a float is refused; NumPy's ints become ints
         if index < 0:
             index += self._count
         if not 0 <= index < self._count:
             raise IndexError(f"chunk {index} of {self._count}")
         offset = index * self._chunk_bytes
         return Chunk(index, offset, min(self._chunk_bytes, self._nbytes - offset))
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to the same cut of the same size, or to a sequence of the same chunks (a
+        list, as ``chunks()`` returned before)."""
+        if isinstance(other, Chunks) and (self._nbytes, self._chunk_bytes) == (
+            other._nbytes,
+            other._chunk_bytes,
+        ):
+            return True
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return len(other) == self._count and all(
+                a == b for a, b in zip(self, other, strict=True)
+            )
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # as a list's: equal by value
 
     def __repr__(self) -> str:
         return f"Chunks({self._count} of {self._chunk_bytes} bytes over {self._nbytes})"

@@ -3,13 +3,13 @@ that what stalls the process sampled, its GIL or its memory-map lock, does not s
 sampling). Started by ``bench/startup.py --stacks kernel``; needs root to read
 ``/proc/PID/task/TID/stack``.
 
-    python3 bench/_kstacks.py PID OUT.json [INTERVAL_S] [TID ...]
+    python3 bench/_kstacks.py PID [INTERVAL_S] [TID ...]
 
 Every INTERVAL_S (default 0.0005) until its standard input closes, it reads each thread's
 state; for a thread in uninterruptible sleep (D), and for the TIDs named (the event
 loop's) whatever their state, it reads the kernel stack too. After its first sweep it
 prints ``sampling``. Consecutive samples of a
-thread with the same state and stack are kept as one span. OUT.json then holds
+thread with the same state and stack are kept as one span. It then prints, on one line,
 ``{"clock": "perf_counter", "sweeps": N, "spans": [[tid, name, first, last, state, stack], ...]}``
 (times on ``time.perf_counter()``, which is CLOCK_MONOTONIC on Linux: the same clock in
 every process; a stack's frames innermost first, offsets dropped).
@@ -38,7 +38,7 @@ def _frames(text: str, depth: int = 8) -> str:
     return " < ".join(frames[:depth])
 
 
-def sample(pid: int, out: str, interval: float, watched: set[int]) -> None:
+def sample(pid: int, interval: float, watched: set[int]) -> None:
     task = f"/proc/{pid}/task"
     open_spans: dict[int, list[Any]] = {}
     spans: list[list[Any]] = []
@@ -53,10 +53,12 @@ def sample(pid: int, out: str, interval: float, watched: set[int]) -> None:
         seen = set()
         for tid in tids:
             stat = _read(f"{task}/{tid}/stat")
-            if stat is None:
-                continue
-            name, rest = stat.split("(", 1)[1].rsplit(")", 1)
-            state = rest.split()[0]
+            try:
+                assert stat is not None
+                name, rest = stat.split("(", 1)[1].rsplit(")", 1)
+                state = rest.split()[0]
+            except (AssertionError, IndexError, ValueError):
+                continue  # gone, or a line of another shape: this sweep goes without it
             if state != "D" and tid not in watched:
                 continue
             stack = _frames(_read(f"{task}/{tid}/stack") or "")
@@ -73,14 +75,13 @@ def sample(pid: int, out: str, interval: float, watched: set[int]) -> None:
                 del open_spans[tid]
         if sweeps == 1:
             print("sampling", flush=True)  # the bench waits for this before it starts
-    with open(out, "w") as f:
-        json.dump({"clock": "perf_counter", "sweeps": sweeps, "spans": spans}, f)
+    print(json.dumps({"clock": "perf_counter", "sweeps": sweeps, "spans": spans}), flush=True)
 
 
 def main() -> int:
-    pid, out = int(sys.argv[1]), sys.argv[2]
-    interval = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0005
-    sample(pid, out, interval, {int(t) for t in sys.argv[4:]})
+    pid = int(sys.argv[1])
+    interval = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0005
+    sample(pid, interval, {int(t) for t in sys.argv[3:]})
     return 0
 
 

@@ -55,9 +55,9 @@ import gc
 import json
 import mmap
 import os
+import select
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -95,8 +95,10 @@ _LIBC.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
 _LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _LIBC.mlock.argtypes = _LIBC.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 PIN_THREADS = 0  # --pin-threads (0: the library's default)
-# Threads' native ids → what they are, for the kernel stacks (--stacks kernel).
+# Threads' native ids → what they are, for the kernel stacks (--stacks kernel), and the
+# backend calls each made: (name, start, end) on the bench's clock.
 ROLES: dict[int, str] = {}
+BACKEND_CALLS: dict[int, list[tuple[str, float, float]]] = {}
 # The interpreter's garbage collections: (generation, start, end) on the bench's clock.
 # A collection holds the GIL, so every Python thread, the event loop's too, waits it out.
 GC_SPANS: list[tuple[int, float, float]] = []
@@ -104,10 +106,14 @@ _gc_started = [0.0]
 
 
 def _on_gc(phase: str, info: dict[str, int]) -> None:
+    """Keeps every collection of generation 1 or 2, and those of 0 that took 0.5 ms or
+    more (thousands a run take less). CPython runs one collection at a time."""
     if phase == "start":
         _gc_started[0] = Clock.now()
-    else:
-        GC_SPANS.append((info["generation"], _gc_started[0], Clock.now()))
+        return
+    end = Clock.now()
+    if info["generation"] or end - _gc_started[0] >= 0.0005:
+        GC_SPANS.append((info["generation"], _gc_started[0], end))
 
 
 HOST_BLOCK = 2 * 32 * TOKENS * HEADS * HEAD_DIM * 2  # 2 MiB: 64 arrays of 32 KiB
@@ -200,17 +206,20 @@ class Heartbeat:
 
 class KernelStacks:
     """``bench/_kstacks.py`` in a process of its own for the span of one run: the kernel
-    stacks of this process's threads blocked in the kernel, and the event loop's."""
+    stacks of this process's threads blocked in the kernel, and the event loop's. Its
+    spans come back on its standard output when its standard input closes."""
+
+    START_S = 30.0  # for the sampler's first sweep (an interpreter's start)
+    STOP_S = 60.0
 
     def __init__(self, loop_tid: int) -> None:
-        self._out = Path(tempfile.mkstemp(prefix="kstacks-", suffix=".json")[1])
-        script = Path(__file__).with_name("_kstacks.py")
+        self.spans: list[list[Any]] = []
+        self.sweeps = 0
         self._proc = subprocess.Popen(
             [
                 sys.executable,
-                str(script),
+                str(Path(__file__).with_name("_kstacks.py")),
                 str(os.getpid()),
-                str(self._out),
                 "0.0005",
                 str(loop_tid),
             ],
@@ -218,23 +227,35 @@ class KernelStacks:
             stdout=subprocess.PIPE,
         )
         assert self._proc.stdout is not None
-        self._proc.stdout.readline()  # its first sweep is done: the run may start
-        self.spans: list[list[Any]] = []
-        self.sweeps = 0
+        ready = select.select([self._proc.stdout], [], [], self.START_S)[0]
+        if not ready or self._proc.stdout.readline() != b"sampling\n":
+            self._end()
+            raise RuntimeError(f"bench/_kstacks.py did not start within {self.START_S} s")
 
     def stop(self) -> None:
-        assert self._proc.stdin is not None
-        self._proc.stdin.close()
-        self._proc.wait(timeout=60)
-        if self._out.stat().st_size:
-            doc = json.loads(self._out.read_text())
-            self.spans, self.sweeps = doc["spans"], doc["sweeps"]
-        self._out.unlink()
+        """Ends the sampler and keeps its spans; a sampler that failed is said, not fatal
+        (the run's own figures stand)."""
+        try:
+            out, _ = self._proc.communicate(timeout=self.STOP_S)
+        except subprocess.TimeoutExpired:
+            self._end()
+            print("  kernel stacks: the sampler did not stop; none kept", file=sys.stderr)
+            return
+        if self._proc.returncode:
+            print(f"  kernel stacks: the sampler failed ({self._proc.returncode})", file=sys.stderr)
+            return
+        doc = json.loads(out)
+        self.spans, self.sweeps = doc["spans"], doc["sweeps"]
 
-    def during(self, start: float, end: float, roles: dict[int, str]) -> dict[str, Any]:
+    def _end(self) -> None:
+        self._proc.kill()
+        self._proc.communicate()
+
+    def during(self, start: float, end: float) -> dict[str, Any]:
         """What the threads were doing in [start, end] (the bench's clock): the loop's
-        kernel stacks, and the stacks of threads in state D, each with the seconds it was
-        seen so (a span's first to last sample, at least one interval), most first."""
+        kernel stacks, and the stacks of threads in state D (named by ``role_at``), each
+        with the seconds it was seen so (a span's first to last sample, at least one
+        interval), most first."""
         lo, hi = start + Clock.t0, end + Clock.t0
         loop: collections.Counter[str] = collections.Counter()
         blocked: collections.Counter[str] = collections.Counter()
@@ -242,7 +263,7 @@ class KernelStacks:
             seen = min(last + 0.0005, hi) - max(first, lo)
             if seen <= 0:
                 continue
-            role = roles.get(tid, "thread")
+            role = role_at(tid, max(first, lo) - Clock.t0)
             if role == "loop":
                 loop[f"{state}: {stack}"] += seen
             if state == "D":
@@ -251,6 +272,27 @@ class KernelStacks:
             "loop": [[k, round(v, 4)] for k, v in loop.most_common(3)],
             "blocked": [[k, round(v, 4)] for k, v in blocked.most_common(6)],
         }
+
+
+def role_at(tid: int, when: float) -> str:
+    """What a thread was at ``when`` (the bench's clock): in a pin or unpin call of the
+    backend then, that call's name; else its role (``ROLES``: loop, step, capture,
+    watchdog), ``worker`` for a thread that made backend calls at other times (anyio's
+    worker threads also prefault), or ``thread``."""
+    calls = BACKEND_CALLS.get(tid)
+    for name, a, b in calls or ():
+        if a <= when <= b:
+            return name
+    return ROLES.get(tid, "worker" if calls else "thread")
+
+
+def kernel_stacks_readable() -> bool:
+    """Whether this process may read its threads' kernel stacks (root, as a rule)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/stack") as f:
+            return bool(f.read())
+    except OSError:
+        return False
 
 
 class StepLog(GpuStepper):
@@ -348,7 +390,7 @@ class TimedBackend:
         t1 = Clock.now()
         self.pins.append(t1 - t0)
         self.calls.append(("pin", t0, t1))
-        ROLES[threading.get_native_id()] = "pin"
+        BACKEND_CALLS.setdefault(threading.get_native_id(), []).append(("pin", t0, t1))
 
     def unpin(self, address: int, nbytes: int) -> None:
         t0 = Clock.now()
@@ -356,6 +398,7 @@ class TimedBackend:
         t1 = Clock.now()
         self.unpins.append(t1 - t0)
         self.calls.append(("unpin", t0, t1))
+        BACKEND_CALLS.setdefault(threading.get_native_id(), []).append(("unpin", t0, t1))
 
 
 def _register(address: int, nbytes: int) -> None:
@@ -516,7 +559,7 @@ def phases(
         out[f"lag_{phase}_s"] = lag
         out[f"lag_{phase}_at"] = where
         if kstacks is not None:
-            out[f"lag_{phase}_kernel"] = kstacks.during(lo, hi, ROLES)
+            out[f"lag_{phase}_kernel"] = kstacks.during(lo, hi)
         # When the worst lag was (from the phase's start), and the backend's calls under
         # way then: (name, start from the phase's start, duration).
         out[f"lag_{phase}_window"] = [round(lo - start, 4), round(hi - start, 4)]
@@ -556,6 +599,8 @@ async def one(
         if kstacks is not None:
             kstacks.stop()
     result = phases(run, hb, steps, step_alone, kstacks)
+    if kstacks is not None:
+        result["kernel_sweeps"] = kstacks.sweeps
     stretch = result.get("stretch_opening")
     print(
         f"  {format_bytes(nbytes)} {recipe}: enter {result['enter_s'] * 1e3:.1f} ms, ready "
@@ -811,6 +856,13 @@ def main() -> int:
     args.recipe = args.recipe or ["vllm", "seed", "asyncpin"]
     global PIN_THREADS
     PIN_THREADS = args.pin_threads
+    if args.stacks == "kernel" and not kernel_stacks_readable():
+        print(
+            "--stacks kernel: threads' kernel stacks cannot be read here (root only); "
+            "--stacks python instead",
+            file=sys.stderr,
+        )
+        args.stacks = "python"
     quiet_logs()
     gc.callbacks.append(_on_gc)
     doc = anyio.run(bench, args)

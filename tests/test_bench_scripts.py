@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,40 @@ def test_a_bad_size_is_a_usage_error(tmp_path: Path) -> None:
 def test_the_gpu_pass_parses() -> None:
     for script in ("gpu_pass.sh", "transfers_ab.sh"):
         subprocess.run(["bash", "-n", str(BENCH / script)], check=True, timeout=30)
+
+
+@pytest.mark.parametrize("stacks", ["kernel", "none"])
+def test_startup_samples_what_it_is_asked_to(stacks: str, tmp_path: Path) -> None:
+    # --stacks kernel: a sampler in a process of its own (where the kernel stacks can be
+    # read: root), the worst lags' kernel stacks in the figures, nothing left behind.
+    out = tmp_path / "s.json"
+    done = run(
+        "startup",
+        "--quick",
+        "--stacks",
+        stacks,
+        "--gc-freeze",
+        "--json-out",
+        str(out),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["gc_frozen_objects"] > 0
+    readable = Path(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/stack")
+    can_read = os.access(readable, os.R_OK) and bool(readable.read_text())
+    assert doc["stacks"] == (
+        "kernel" if stacks == "kernel" and can_read else "python" if stacks == "kernel" else "none"
+    )
+    runs = next(iter(doc["sizes"].values()))["runs"]
+    (run_doc,) = [r for r in runs if r["recipe"] == "asyncpin"]
+    for phase in ("entering", "pinning", "serving", "closing"):
+        assert isinstance(run_doc[f"lag_{phase}_gc"], list)
+        if doc["stacks"] == "kernel":
+            kernel = run_doc[f"lag_{phase}_kernel"]
+            assert set(kernel) == {"loop", "blocked"}
+        else:
+            assert f"lag_{phase}_kernel" not in run_doc
+    if doc["stacks"] == "kernel":  # the sampler swept the threads while the run went on
+        assert run_doc["kernel_sweeps"] > 0
+    assert not list(tmp_path.glob("kstacks-*"))

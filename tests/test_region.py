@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 import torch
 
@@ -166,6 +167,25 @@ class TestChunks:
         # 1 TiB in 16 MiB chunks: 65536 of them, none made until read.
         many = Chunks(1 << 40, 16 * MIB)
         assert len(many) == 65536 and many[65535] == Chunk(65535, (1 << 40) - 16 * MIB, 16 * MIB)
+        # An index as a list takes it: an int of any kind, never a float.
+        big = many[np.int32(40000)]
+        assert big == Chunk(40000, 40000 * 16 * MIB, 16 * MIB) and type(big.offset) is int
+        with pytest.raises(TypeError):
+            many[1.5]  # type: ignore[call-overload]
+
+    def test_chunks_compare_as_a_list_of_them_did(self) -> None:
+        chunks = Chunks(10 * PAGE, 4 * PAGE)
+        listed = [Chunk(0, 0, 4 * PAGE), Chunk(1, 4 * PAGE, 4 * PAGE), Chunk(2, 8 * PAGE, 2 * PAGE)]
+        assert chunks == listed and listed == chunks
+        assert chunks == Chunks(10 * PAGE, 4 * PAGE)
+        assert Chunks(PAGE, PAGE) == Chunks(PAGE, 4 * PAGE)  # one chunk of a page, both
+        assert chunks != listed[:2] and chunks != Chunks(10 * PAGE, 2 * PAGE)
+        region = HostRegion.create(10 * PAGE)
+        try:
+            assert isinstance(region.chunks(4 * PAGE), Chunks)
+            assert region.chunks(4 * PAGE) == listed
+        finally:
+            region.release()
 
     @pytest.mark.parametrize("chunk_bytes", [0, -PAGE, PAGE + 1, PAGE // 2])
     def test_bad_chunk_size_is_config_error(self, chunk_bytes: int) -> None:
