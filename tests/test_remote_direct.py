@@ -395,7 +395,7 @@ async def test_a_remote_miss_evicts_nothing(
 def test_options_the_direct_reads_cannot_use_are_refused() -> None:
     """An object of redis-py's asyncio client (a ``Retry`` of ``redis.asyncio``) would
     break every direct read (review: AttributeError on each fetch, the tier degraded
-    for good); a cluster reads through its own client."""
+    for good), on a single node and on a cluster."""
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
@@ -409,12 +409,15 @@ def test_options_the_direct_reads_cannot_use_are_refused() -> None:
     store = RedisStore(url, retry=Retry(NoBackoff(), 1), direct_reads=False)
     assert not store.direct_reads and not store.direct_writes  # writes follow reads
     for flag in ("direct_reads", "direct_writes"):
-        with pytest.raises(ConfigError, match=f"{flag}=True is for a single node"):
-            RedisStore(url, cluster=True, **{flag: True})
         with pytest.raises(ConfigError, match=f"{flag} must be a bool"):
             RedisStore(url, **{flag: cast(Any, 1)})
+    # A cluster reads and writes straight from the host blocks too, node by node.
     cluster = RedisStore(url, cluster=True)
-    assert not cluster.direct_reads and not cluster.direct_writes
+    assert cluster.direct_reads and cluster.direct_writes
+    copying = RedisStore(url, cluster=True, direct_reads=False)
+    assert not copying.direct_reads and not copying.direct_writes
+    with pytest.raises(ConfigError, match="retry= is an object of redis-py's asyncio"):
+        RedisStore(url, cluster=True, retry=Retry(NoBackoff(), 1))
     assert RedisStore(url).direct_reads and RedisStore(url).direct_writes
     reads_only = RedisStore(url, direct_writes=False)
     assert reads_only.direct_reads and not reads_only.direct_writes
@@ -717,8 +720,8 @@ async def test_one_reads_failed_connect_leaves_another_read_alone(
     outcome: dict[str, Any] = {}
     made = store._new_connection
 
-    def slow_connection() -> Any:  # B's: it waits in its handshake until released
-        conn = made()
+    def slow_connection(at: Any = None) -> Any:  # B's: it waits in its handshake until released
+        conn = made(at)
         connect, disconnect = conn.connect, conn.disconnect
 
         def slow_connect() -> None:

@@ -40,6 +40,7 @@ import ssl
 import struct
 import threading
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
@@ -64,6 +65,7 @@ __all__ = [
 ]
 
 _log = ShieldedLog(structlog.get_logger("asyncpin"))
+_SLOTS = 16384  # a Redis Cluster's hash slots
 T = TypeVar("T")
 
 MAGIC = b"APKV"
@@ -171,17 +173,12 @@ class RedisStore:
             raise ConfigError(f"not a usable Redis URL or option for {self._where}") from None
         self.cluster = cluster
         if direct_reads is None:
-            direct_reads = not cluster
+            direct_reads = True
         if direct_writes is None:
             direct_writes = direct_reads
         for flag, on in (("direct_reads", direct_reads), ("direct_writes", direct_writes)):
             if not isinstance(on, bool):
                 raise ConfigError(f"{flag} must be a bool or None, got {on!r}")
-            if on and cluster:
-                raise ConfigError(
-                    f"{flag}=True is for a single node: a cluster goes through redis-py's "
-                    "cluster client, which follows MOVED and ASK"
-                )
             for option, value in client_options.items() if on else ():
                 if type(value).__module__.startswith("redis.asyncio"):
                     raise ConfigError(
@@ -197,6 +194,13 @@ class RedisStore:
         self._blocking: Any = None
         self._blocking_lock = threading.Lock()
         self._idle: list[Any] = []  # the direct reads' connections, not in use
+        # A cluster's nodes, by (host, port): their blocking clients and idle connections,
+        # and which node serves each of the 16384 slots (CLUSTER SLOTS, asked again
+        # after a MOVED or an ASK).
+        self._node_clients: dict[tuple[str, int], Any] = {}
+        self._node_idle: dict[tuple[str, int], list[Any]] = {}
+        self._slots: list[tuple[str, int] | None] | None = None
+        self._stale_slots = False
         self._closed = False
         if direct_reads or direct_writes:
             try:  # an option the blocking client's connections refuse: now, not per call
@@ -317,9 +321,11 @@ class RedisStore:
         called). One pipeline, each socket wait bounded by ``timeout_s``
         and the whole by 4 times it; ``check_cancelled`` is called at least every 50 ms
         while waiting (it raises to stop). Any failure is a RemoteError; a connection
-        left mid-reply is closed, never reused. A single node only (``direct_reads``).
+        left mid-reply is closed, never reused. On a cluster each key is asked of the
+        node that serves its slot, one pipeline per node; a key whose slot moved (MOVED,
+        ASK) is a miss (None) and the slots are asked again before the next call.
 
-        The socket is redis-py's own (its connection pool: AUTH, TLS and the rest as
+        The sockets are redis-py's own (its connection pools: AUTH, TLS and the rest as
         configured); only the replies of these GETs are read past its parser."""
         if not self.direct_reads:
             raise RemoteError(f"{self!r} has direct_reads off")
@@ -329,17 +335,30 @@ class RedisStore:
         deadline = time.monotonic() + self._timeout_s * 4
         failure: RemoteError | None = None
         try:
-            with self._wire(deadline, check_cancelled) as (conn, wire):
-                # Sent as the values are read: bounded by the deadline, and none of
-                # redis-py's own checks before it (its health check's PING would wait
-                # for its answer under the 50 ms poll as its whole timeout).
-                wire.send(b"".join(conn.pack_commands([("GET", key) for key in keys])))
+            plan = self._plan(keys, deadline, check_cancelled)
+            with contextlib.ExitStack() as stack:
+                wires = {
+                    at: stack.enter_context(self._wire(deadline, check_cancelled, at))
+                    for at in dict.fromkeys(plan)
+                }
+                # Every node's GETs go out first, its own pipeline, then the replies are
+                # read in the keys' order, each from its node's socket: ``into`` sees
+                # the keys in order, as from one node. Sent as the values are read:
+                # bounded by the deadline, and none of redis-py's own checks before it
+                # (its health check's PING would wait for its answer under the 50 ms
+                # poll as its whole timeout).
+                for at, (conn, wire) in wires.items():
+                    mine = [("GET", key) for key, to in zip(keys, plan, strict=True) if to == at]
+                    wire.send(b"".join(conn.pack_commands(mine)))
                 head = memoryview(bytearray(head_bytes))
                 error: bytes | None = None
                 for i in range(len(keys)):
+                    wire = wires[plan[i]][1]
                     got = wire.value_into(head, functools.partial(_body_of, into, i, head))
                     if isinstance(got, bytes) and _wrong_type(got):
                         sizes[i] = 0  # another type of data: an empty value, as get() says
+                    elif isinstance(got, bytes) and _redirected(got):
+                        self._stale_slots = True  # a miss now; the slots asked again next
                     elif isinstance(got, bytes):
                         error = error or got
                     else:
@@ -376,8 +395,10 @@ class RedisStore:
         fill its parts in place (a header whose checksum is made while the values
         before it are on their way). Any failure of the server or the connection is a
         RemoteError, and the values may or may not be written; a connection left
-        mid-command is closed, never reused, so the server never takes a cut value. A
-        single node only (``direct_writes``)."""
+        mid-command is closed, never reused, so the server never takes a cut value. On a
+        cluster each key goes to the node that serves its slot, one pipeline per node; a
+        key whose slot moved (MOVED, ASK) is sent once more after the slots are asked
+        again (its error then, if it moved again)."""
         if not self.direct_writes:
             raise RemoteError(f"{self!r} has direct_writes off")
         errors: list[str | None] = [None] * len(items)
@@ -396,32 +417,21 @@ class RedisStore:
         deadline = time.monotonic() + self._timeout_s * 4
         failure: RemoteError | None = None
         try:
-            with self._wire(deadline, check_cancelled) as (conn, wire):
-                small = bytearray()
-                for i, ((key, _), parts) in enumerate(zip(items, values, strict=True)):
-                    if prepare is not None:
-                        prepare(i)
-                    name = conn.encoder.encode(key)  # as redis-py spells it (``encoding=``)
-                    size = sum(len(part) for part in parts)
-                    small += b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
-                        5 if px else 3,
-                        len(name),
-                        name,
-                        size,
-                    )
-                    for part in parts:
-                        if len(part) < _SMALL_PART:
-                            small += part
-                        else:
-                            wire.send(small)
-                            small.clear()
-                            wire.send(part)
-                    small += b"\r\n" + px
-                wire.send(small)
-                for i in range(len(items)):
-                    said = wire.status()
-                    if said is not None:
-                        errors[i] = self._redact(said.decode(errors="replace"))
+            todo = list(range(len(items)))
+            for _ in range(2):  # a second time for the keys whose slot moved
+                moved = self._send_sets(
+                    [items[i][0] for i in todo],
+                    [values[i] for i in todo],
+                    px,
+                    deadline,
+                    check_cancelled,
+                    None if prepare is None else functools.partial(_prepare_of, prepare, todo),
+                    errors_of=functools.partial(_set_at, errors, todo),
+                )
+                if not moved:
+                    break
+                self._stale_slots = True
+                todo = [todo[j] for j in moved]
         except Exception as exc:
             failure = self._failure("SET", exc)
         if failure is not None:
@@ -431,18 +441,120 @@ class RedisStore:
                 failure = None
         return errors
 
+    def _send_sets(
+        self,
+        keys: list[str],
+        values: list[list[memoryview]],
+        px: bytes,
+        deadline: float,
+        check_cancelled: Callable[[], None],
+        prepare: Callable[[int], None] | None,
+        errors_of: Callable[[int, str], None],
+    ) -> list[int]:
+        """One pipeline of SETs per node (one on a single node); the server's refusals
+        go to ``errors_of``. Returns the indices of the keys whose slot moved."""
+        moved: list[int] = []
+        plan = self._plan(keys, deadline, check_cancelled)
+        with contextlib.ExitStack() as stack:
+            for at in dict.fromkeys(plan):
+                conn, wire = stack.enter_context(self._wire(deadline, check_cancelled, at))
+                mine = [i for i, to in enumerate(plan) if to == at]
+                small = bytearray()
+                for i in mine:
+                    if prepare is not None:
+                        prepare(i)
+                    name = conn.encoder.encode(keys[i])  # as redis-py spells it (``encoding=``)
+                    size = sum(len(part) for part in values[i])
+                    small += b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+                        5 if px else 3,
+                        len(name),
+                        name,
+                        size,
+                    )
+                    for part in values[i]:
+                        if len(part) < _SMALL_PART:
+                            small += part
+                        else:
+                            wire.send(small)
+                            small.clear()
+                            wire.send(part)
+                    small += b"\r\n" + px
+                wire.send(small)
+                for i in mine:
+                    said = wire.status()
+                    if said is not None and _redirected(said):
+                        moved.append(i)
+                    elif said is not None:
+                        errors_of(i, self._redact(said.decode(errors="replace")))
+        return sorted(moved)
+
+    def _plan(
+        self, keys: Sequence[str], deadline: float, check_cancelled: Callable[[], None]
+    ) -> list[tuple[str, int] | None]:
+        """Where each key goes: None (the URL's server) on a single node; on a cluster the
+        node that serves its slot, as CLUSTER SLOTS said (asked on first use and after a
+        key's slot moved)."""
+        if not self.cluster:
+            return [None] * len(keys)
+        import redis.crc
+
+        slots = self._slots
+        if slots is None or self._stale_slots:
+            slots = self._ask_slots(deadline, check_cancelled)
+        with self._blocking_lock:  # made once, and never again after aclose
+            if self._closed:
+                raise ConnectionError("the store is closed")
+            encoder = self._blocking_client(None).get_encoder()
+        plan = [slots[redis.crc.key_slot(encoder.encode(key))] for key in keys]
+        if None in plan:  # a slot no node serves: the cluster is down there
+            raise ConnectionError("a key's slot is served by no node (the cluster is down)")
+        return plan
+
+    def _ask_slots(
+        self, deadline: float, check_cancelled: Callable[[], None]
+    ) -> list[tuple[str, int] | None]:
+        """CLUSTER SLOTS, asked of the URL's node, else of a node known before."""
+        known = list(dict.fromkeys(a for a in self._slots or () if a is not None))
+        failure: Exception | None = None
+        for at in [None, *known]:
+            try:
+                with self._wire(deadline, check_cancelled, at) as (conn, wire):
+                    wire.send(b"".join(conn.pack_commands([("CLUSTER", "SLOTS")])))
+                    reply = wire.reply()
+                slots: list[tuple[str, int] | None] = [None] * _SLOTS
+                for entry in reply:
+                    first, last, primary = int(entry[0]), int(entry[1]), entry[2]
+                    if not 0 <= first <= last < _SLOTS:
+                        raise ConnectionError(f"CLUSTER SLOTS gave slots {first}-{last}")
+                    host = bytes(primary[0]).decode()
+                    # An empty host is the asked node's own (a node that knows no other).
+                    host = host or (_host_port(self._blocking_args[0])[0] if at is None else at[0])
+                    slots[first : last + 1] = [(host, int(primary[1]))] * (last - first + 1)
+            except Exception as exc:  # a node down, or a reply of another shape
+                failure = failure or exc
+                continue
+            self._slots, self._stale_slots = slots, False
+            return slots
+        assert failure is not None
+        raise failure
+
     @contextlib.contextmanager
     def _wire(
-        self, deadline: float, check_cancelled: Callable[[], None]
+        self,
+        deadline: float,
+        check_cancelled: Callable[[], None],
+        at: tuple[str, int] | None = None,
     ) -> Iterator[tuple[Any, _Wire]]:
-        """One of the direct path's connections, connected, and its socket as a
-        :class:`_Wire`; put back for the next call once the block is left, or closed if
-        it is left by an exception (mid-reply or mid-command: the next user would be
-        out of step with the server)."""
+        """One of the direct path's connections (to the URL's server, or to the
+        cluster's node ``at``), connected, and its socket as a :class:`_Wire`; put back
+        for the next call once the block is left, or closed if it is left by an
+        exception (mid-reply or mid-command: the next user would be out of step with
+        the server)."""
         with self._blocking_lock:
             if self._closed:
                 raise ConnectionError("the store is closed")
-            conn = self._idle.pop() if self._idle else self._new_connection()
+            idle = self._idle if at is None else self._node_idle.setdefault(at, [])
+            conn = idle.pop() if idle else self._new_connection(at)
         _connect(conn, deadline, check_cancelled)
         try:
             sock = conn._sock
@@ -457,7 +569,7 @@ class RedisStore:
                 if self._closed:
                     conn.disconnect()
                 else:
-                    self._idle.append(conn)
+                    idle.append(conn)
 
     def _redact(self, message: str) -> str:
         """A server's or the client's message without the credentials (``_redact``)."""
@@ -474,29 +586,41 @@ class RedisStore:
         said = f" ({self._redact(str(exc))})" if str(exc) else ""
         return RemoteError(f"{what} on {self._where} failed: {type(exc).__name__}{said}")
 
-    def _new_connection(self) -> Any:
+    def _new_connection(self, at: tuple[str, int] | None = None) -> Any:
         """A connection of redis-py's (not connected yet) for the direct reads and
-        writes: made by the pool of a blocking client of this store's URL and options,
-        but kept in this store's own list, so that one call's failure closes its
-        connection alone."""
-        if self._blocking is None:
-            import redis
+        writes: made by the pool of a blocking client of this store's URL and options
+        (for a cluster's node ``at``, the URL with that node's host and port), but kept
+        in this store's own list, so that one call's failure closes its connection
+        alone."""
+        return self._blocking_client(at).connection_pool.make_connection()
 
-            url, options = self._blocking_args
-            self._blocking = redis.Redis.from_url(url, **options)
-        return self._blocking.connection_pool.make_connection()
+    def _blocking_client(self, at: tuple[str, int] | None) -> Any:
+        import redis
+
+        url, options = self._blocking_args
+        if at is None:
+            if self._blocking is None:
+                self._blocking = redis.Redis.from_url(url, **options)
+            return self._blocking
+        client = self._node_clients.get(at)
+        if client is None:
+            client = redis.Redis.from_url(_with_host_port(url, *at), **options)
+            self._node_clients[at] = client
+        return client
 
     async def aclose(self) -> None:
         with self._blocking_lock:
             self._closed = True
-            blocking, self._blocking = self._blocking, None
-            idle, self._idle = self._idle, []
-        for conn in idle:
+            blocking = [c for c in (self._blocking, *self._node_clients.values()) if c]
+            self._blocking, self._node_clients = None, {}
+            idle = [self._idle, *self._node_idle.values()]
+            self._idle, self._node_idle = [], {}
+        for conn in (conn for conns in idle for conn in conns):
             with contextlib.suppress(Exception):
                 conn.disconnect()
-        if blocking is not None:
+        for client in blocking:
             with contextlib.suppress(Exception):
-                await anyio.to_thread.run_sync(blocking.close)
+                await anyio.to_thread.run_sync(client.close)
 
         async def close() -> None:
             with contextlib.suppress(Exception):  # closing what is already broken
@@ -704,6 +828,39 @@ class _Wire:
                 self._skip(self._line(), depth + 1)
             return
         raise ConnectionError(f"not a RESP reply: {line[:40]!r}")
+
+    _MAX_REPLY_ITEMS = 1 << 16  # a parsed reply's bounds (CLUSTER SLOTS of many ranges)
+
+    def reply(self, depth: int = 0) -> Any:
+        """The next reply parsed: bytes, ints, None and lists (a RESP3 map flattened),
+        for a small reply (CLUSTER SLOTS's); an error reply raises ConnectionError with
+        its text. Bounded as a push is (nesting, bytes), with up to
+        ``_MAX_REPLY_ITEMS`` items an aggregate."""
+        line = self._reply_line() if depth == 0 else self._line()
+        kind, rest = line[:1], line[1:]
+        count = int(rest) if rest.isdigit() else -1 if rest == b"-1" else None
+        if kind == b"-":
+            raise ConnectionError(rest.decode(errors="replace"))
+        if kind == b"+":
+            return rest
+        if kind == b":" and rest.lstrip(b"-").isdigit():
+            return int(rest)
+        if kind == b"_":
+            return None
+        if kind == b"$" and count is not None:
+            if count > self._MAX_PUSH_BYTES:
+                raise ConnectionError(f"a reply's value of {count} bytes")
+            if count < 0:
+                return None
+            value = bytearray(count + 2)
+            self._fill(memoryview(value))
+            return bytes(value[:count])
+        if kind in (b"*", b"~", b"%") and count is not None:
+            items = count * 2 if kind == b"%" else count
+            if depth >= self._MAX_PUSH_DEPTH or items > self._MAX_REPLY_ITEMS:
+                raise ConnectionError("a reply nested or long past its bounds")
+            return None if count < 0 else [self.reply(depth + 1) for _ in range(items)]
+        raise ConnectionError(f"not a reply this client reads: {line[:40]!r}")
 
     def _drop(self, left: int) -> None:
         """Read ``left`` bytes and drop them."""
@@ -1475,6 +1632,32 @@ def _body_of(
     into: Callable[[int, int, memoryview], memoryview | None], i: int, head: memoryview, size: int
 ) -> memoryview | None:
     return into(i, size, head)
+
+
+def _prepare_of(prepare: Callable[[int], None], todo: list[int], j: int) -> None:
+    prepare(todo[j])
+
+
+def _set_at(errors: list[str | None], todo: list[int], j: int, said: str) -> None:
+    errors[todo[j]] = said
+
+
+def _redirected(said: bytes) -> bool:
+    """Whether an error reply sends the key to another node of a cluster."""
+    return said.startswith((b"MOVED ", b"ASK "))
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.hostname or "localhost", parts.port or 6379
+
+
+def _with_host_port(url: str, host: str, port: int) -> str:
+    """``url`` with another host and port (its user, password, path and query kept)."""
+    parts = urllib.parse.urlsplit(url)
+    user = parts.netloc.rpartition("@")[0]
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return parts._replace(netloc=f"{user}@{where}" if user else where).geturl()
 
 
 async def _thread_to_the_end(fn: Callable[[], T], limiter: anyio.CapacityLimiter) -> T:

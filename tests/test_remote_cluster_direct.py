@@ -1,0 +1,166 @@
+"""A cluster's direct path: ``RedisStore(cluster=True)`` reads each value straight into the
+caller's memory and writes it straight from there, one pipeline per node, keys routed by
+their slots (CLUSTER SLOTS), asked again after a slot moved. Against a real three-node
+cluster; the slot moves are the cluster's own (SETSLOT, MIGRATE), undone after."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import anyio.to_thread
+import pytest
+import redis.crc
+
+from asyncpin.tier import RedisStore
+from asyncpin.tier.remote import _Wire, _with_host_port
+from tests.redis_servers import HOST, RedisCluster, RedisServer
+
+TIMEOUT_S = 5.0
+
+
+def _slot(key: str) -> int:
+    return redis.crc.key_slot(key.encode())
+
+
+def _keys_on_every_node(cluster: RedisCluster, prefix: str, each: int) -> list[str]:
+    """Keys of ``prefix``, at least ``each`` on every node, in the order they were made."""
+    keys: list[str] = []
+    counts: dict[int, int] = {node.port: 0 for node in cluster.nodes}
+    i = 0
+    while min(counts.values()) < each:
+        key = f"{prefix}{i}"
+        port = cluster.node_for_slot(_slot(key)).port
+        if counts[port] < each:
+            counts[port] += 1
+            keys.append(key)
+        i += 1
+    return keys
+
+
+def _move_slot(cluster: RedisCluster, slot: int, src: RedisServer, dst: RedisServer) -> None:
+    """Hand ``slot`` and every key in it from ``src`` to ``dst``, as resharding does."""
+    src_id, dst_id = src.command("CLUSTER", "MYID"), dst.command("CLUSTER", "MYID")
+    assert isinstance(src_id, bytes) and isinstance(dst_id, bytes)
+    dst.command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    src.command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    keys = src.command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+    assert isinstance(keys, list)
+    if keys:
+        src.command("MIGRATE", HOST, dst.port, "", 0, 5000, "KEYS", *keys)  # type: ignore[arg-type]
+    for node in cluster.nodes:
+        node.command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    cluster.wait_ok()
+
+
+@pytest.fixture
+def store(redis_cluster: RedisCluster) -> Iterator[RedisStore]:
+    made = RedisStore(redis_cluster.url, cluster=True, timeout_s=TIMEOUT_S)
+    yield made
+    anyio.run(made.aclose)
+
+
+def _read(
+    store: RedisStore, keys: list[str], sizes: list[int]
+) -> tuple[list[Any], list[int], list[bytearray]]:
+    """``readinto`` of ``keys`` (head of 4 bytes): its result, the order ``into`` was
+    called in, and each key's body."""
+    bodies = [bytearray(max(n - 4, 0)) for n in sizes]
+    order: list[int] = []
+
+    def into(i: int, size: int, head: memoryview) -> memoryview:
+        order.append(i)
+        return memoryview(bodies[i])
+
+    got = store.readinto(keys, into, head_bytes=4)
+    return got, order, bodies
+
+
+@pytest.mark.redis
+async def test_values_go_to_and_come_from_the_node_of_their_slot(
+    store: RedisStore, redis_cluster: RedisCluster, redis_keyspace: str
+) -> None:
+    assert store.direct_reads and store.direct_writes
+    keys = _keys_on_every_node(redis_cluster, redis_keyspace, each=4)
+    values = [bytes([i + 1]) * (5000 + 17 * i) for i in range(len(keys))]
+    prepared: list[int] = []
+    errors = await anyio.to_thread.run_sync(
+        lambda: store.writefrom(
+            [
+                (k, (memoryview(v)[:4], memoryview(v)[4:]))
+                for k, v in zip(keys, values, strict=True)
+            ],
+            prepare=prepared.append,
+        )
+    )
+    assert errors == [None] * len(keys)
+    assert sorted(prepared) == list(range(len(keys)))  # each header made once, before it went
+    for key, value in zip(keys, values, strict=True):  # on the node its slot is served by
+        assert redis_cluster.node_for_slot(_slot(key)).command("GET", key) == value
+    assert set(store._node_idle) == {(HOST, node.port) for node in redis_cluster.nodes}
+
+    missing = f"{redis_keyspace}missing"
+    got, order, bodies = await anyio.to_thread.run_sync(
+        lambda: _read(store, [*keys, missing], [len(v) for v in values] + [0])
+    )
+    assert got == [len(v) for v in values] + [None]
+    assert order == list(range(len(keys)))  # the keys' order, whatever node each is on
+    assert all(body == v[4:] for body, v in zip(bodies, values, strict=False))
+
+
+@pytest.mark.redis
+async def test_a_slot_that_moved_is_a_miss_once_then_found(
+    store: RedisStore, redis_cluster: RedisCluster, redis_keyspace: str
+) -> None:
+    key = f"{redis_keyspace}moving"
+    slot = _slot(key)
+    home = redis_cluster.node_for_slot(slot)
+    away = next(node for node in redis_cluster.nodes if node is not home)
+    first, second = b"a" * 4096, b"b" * 4096
+    assert await anyio.to_thread.run_sync(lambda: store.writefrom([(key, [first])])) == [None]
+    try:
+        _move_slot(redis_cluster, slot, home, away)  # the store's slots are stale now
+        # A write is sent again to the slot's new node: written, no error.
+        said = await anyio.to_thread.run_sync(lambda: store.writefrom([(key, [second])]))
+        assert said == [None]
+        assert away.command("GET", key) == second
+        assert store._slots is not None and store._slots[slot] == (HOST, away.port)
+        _move_slot(redis_cluster, slot, away, home)
+        # A read finds the slot moved: a miss (never another key's bytes), then found.
+        got, order, _ = await anyio.to_thread.run_sync(lambda: _read(store, [key], [4096]))
+        assert got == [None] and order == []
+        got, order, bodies = await anyio.to_thread.run_sync(lambda: _read(store, [key], [4096]))
+        assert got == [4096] and order == [0] and bodies[0] == second[4:]
+    finally:
+        if redis_cluster.node_for_slot(slot) is not home:
+            _move_slot(redis_cluster, slot, redis_cluster.node_for_slot(slot), home)
+
+
+def test_a_nodes_url_keeps_the_user_the_password_and_the_query() -> None:
+    url = "rediss://me:secret@seed.example:7000/0?ssl_cert_reqs=none"
+    assert _with_host_port(url, "10.0.0.2", 7001) == (
+        "rediss://me:secret@10.0.0.2:7001/0?ssl_cert_reqs=none"
+    )
+    assert _with_host_port("redis://seed:7000", "::1", 7002) == "redis://[::1]:7002"
+
+
+def test_a_reply_is_parsed_within_its_bounds() -> None:
+    ours, theirs = socket.socketpair()
+    try:
+        theirs.sendall(
+            b"*2\r\n*3\r\n:0\r\n:5460\r\n*3\r\n$9\r\n127.0.0.1\r\n:7000\r\n$2\r\nid\r\n"
+            b"%1\r\n+k\r\n_\r\n"
+            b"-ERR cluster support disabled\r\n"
+            b"*70000\r\n"
+        )
+        ours.settimeout(_Wire.POLL_S)
+        wire = _Wire(ours, float("inf"), lambda: None)
+        assert wire.reply() == [[0, 5460, [b"127.0.0.1", 7000, b"id"]], [b"k", None]]
+        with pytest.raises(ConnectionError, match="cluster support disabled"):
+            wire.reply()
+        with pytest.raises(ConnectionError, match="past its bounds"):
+            wire.reply()
+    finally:
+        ours.close()
+        theirs.close()
