@@ -23,6 +23,7 @@ the demo and the doctor print the same figures as plain text.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import re
@@ -283,40 +284,47 @@ class _Stdout:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
-        except (OSError, ValueError):  # no descriptor to swap: the writes are dropped here
+        except (OSError, ValueError, AttributeError):  # no descriptor to swap: dropped here
             pass
 
     @staticmethod
-    def _target() -> TextIO:
+    def _target() -> TextIO | None:
+        """sys.stdout, or None where the process started with its stdout closed."""
         # rich's live display puts a proxy of its console in sys.stdout, which writes to
         # the console, whose file is this: write past it, or each write calls itself.
         out = sys.stdout
-        return cast(TextIO, getattr(out, "rich_proxied_file", out))
+        return None if out is None else cast(TextIO, getattr(out, "rich_proxied_file", out))
 
     def write(self, text: str) -> int:
-        if not self.gone:
+        target = None if self.gone else self._target()
+        if target is None:
+            self.gone = True
+        else:
             try:
-                return self._target().write(text)
+                return target.write(text)
             except OSError:
                 self._gone()
         return len(text)
 
     def flush(self) -> None:
-        if not self.gone:
+        target = None if self.gone else self._target()
+        if target is not None:
             try:
-                self._target().flush()
+                target.flush()
             except OSError:
                 self._gone()
 
     def isatty(self) -> bool:
-        return not self.gone and sys.stdout.isatty()
+        return not self.gone and sys.stdout is not None and sys.stdout.isatty()
 
     def fileno(self) -> int:
+        if sys.stdout is None:
+            raise OSError(errno.EBADF, "stdout is closed")
         return sys.stdout.fileno()
 
     @property
     def encoding(self) -> str:
-        return sys.stdout.encoding or "utf-8"
+        return getattr(sys.stdout, "encoding", None) or "utf-8"
 
 
 #: What the demo and the doctor print their output to.

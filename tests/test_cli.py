@@ -110,6 +110,32 @@ def closed_stdout(*args: str) -> subprocess.CompletedProcess[str]:
         os.close(write_end)
 
 
+@pytest.mark.parametrize("command", [["doctor"], ["demo", "--backend", "host"]])
+def test_a_process_started_with_no_stdout_runs_as_it_would(command: list[str]) -> None:
+    """Started with its stdout closed (``>&-``: sys.stdout is None), a command exits as it
+    would have, with no traceback (hostile trial: AttributeError on None's write)."""
+    normal = subprocess.run(
+        [sys.executable, "-m", "asyncpin", *command, "--size", "16MiB"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=REPO,
+        timeout=TIMEOUT_S,
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncpin", *command, "--size", "16MiB"],
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        cwd=REPO,
+        timeout=TIMEOUT_S,
+        preexec_fn=lambda: os.close(1),  # the child's fd 1 only
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == normal.returncode
+
+
 class TestOutputReaderGone:
     """A reader of stdout that went away (``| head``) is not the command's failure: it
     exits as it would have, with no traceback, and the demo still closes in order."""

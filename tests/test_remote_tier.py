@@ -331,7 +331,15 @@ async def test_credentials_never_show() -> None:
             await store.get(["k"])
         assert "s3cret" not in str(info.value) and "127.0.0.1:1" in str(info.value)
         await store.aclose()
-    assert "s3cret" not in repr(events)
+        # A password with an unencoded '#' (hostile trial: the digits before it were
+        # taken for the port and shown in repr, errors and logs).
+        store = RedisStore("redis://:31337#pw@127.0.0.1:1/0", timeout_s=0.2)
+        assert "31337" not in repr(store)
+        with pytest.raises(RemoteError) as info:
+            await store.get(["k"])
+        assert "31337" not in str(info.value)
+        await store.aclose()
+    assert "s3cret" not in repr(events) and "31337" not in repr(events)
 
 
 async def test_the_remote_counters_are_exported(

@@ -636,7 +636,7 @@ def _where(url: str) -> str:
 
     try:
         parts = urlsplit(url)
-        if "@" in parts.path or "@" in parts.query:  # a password with a '/' in it
+        if "@" in parts.path + parts.query + parts.fragment:  # a password with '/', '?', '#
             return f"{parts.scheme}://<host>"
         host = parts.hostname or "?"
         port = f":{parts.port}" if parts.port else ""
@@ -681,6 +681,13 @@ def _secrets_of(url: str, options: Mapping[str, Any]) -> list[str]:
         found += [unquote(s) for s in (parts.password, parts.username) if s]
         query = _query_of(url)  # redis-py takes ?password= and ?username= too
         found += query.get("password", []) + query.get("username", [])
+        # What comes before the last '@' is what the user meant as credentials, even where
+        # a '/', '?' or '#' in a password (unencoded) cut the URL elsewhere.
+        tail = url.split("//", 1)[-1]
+        if "@" in tail:
+            meant = tail.rsplit("@", 1)[0]
+            pieces = re.split(r"[:/?#]", meant)  # each part the URL's parser may show
+            found += [meant, *pieces, *(unquote(piece) for piece in pieces)]
     except ValueError:
         pass
     secrets = {s for s in found if isinstance(s, str) and s}
