@@ -164,3 +164,81 @@ def test_a_reply_is_parsed_within_its_bounds() -> None:
     finally:
         ours.close()
         theirs.close()
+
+
+@pytest.mark.redis
+async def test_a_write_sent_away_twice_is_an_error_not_written(
+    store: RedisStore, redis_cluster: RedisCluster, redis_keyspace: str
+) -> None:
+    """A slot being migrated answers a new key with ASK, the slots asked again still name
+    the same node: the write is not done, and says so (review: it was reported written)."""
+    key = f"{redis_keyspace}asked"
+    slot = _slot(key)
+    src = redis_cluster.node_for_slot(slot)
+    dst = next(node for node in redis_cluster.nodes if node is not src)
+    src_id, dst_id = src.command("CLUSTER", "MYID"), dst.command("CLUSTER", "MYID")
+    assert isinstance(src_id, bytes) and isinstance(dst_id, bytes)
+    dst.command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    src.command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    try:
+        said = await anyio.to_thread.run_sync(lambda: store.writefrom([(key, [b"v" * 100])]))
+        assert said[0] is not None and said[0].startswith("ASK ")
+        for node in (src, dst):  # written nowhere
+            assert node.command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+    finally:
+        for node in (src, dst):
+            node.command("CLUSTER", "SETSLOT", slot, "STABLE")
+        redis_cluster.wait_ok()
+
+
+@pytest.mark.redis
+async def test_a_node_that_fails_makes_the_slots_asked_again(
+    store: RedisStore, redis_cluster: RedisCluster, redis_keyspace: str
+) -> None:
+    """A refused connection is no MOVED: the slots are asked again all the same, so a
+    failed-over node's slots find their new node (review: the map stayed stale for good)."""
+    from asyncpin.tier import RemoteError
+
+    key = f"{redis_keyspace}down"
+    node = redis_cluster.node_for_slot(_slot(key))
+    assert await anyio.to_thread.run_sync(lambda: store.writefrom([(key, [b"v" * 100])])) == [None]
+    assert not store._stale_slots
+    node.kill()
+    with pytest.raises(RemoteError):
+        await anyio.to_thread.run_sync(lambda: _read(store, [key], [100]))
+    assert store._stale_slots
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("endpoint", ["unknown-endpoint", "hostname"])
+async def test_a_node_that_names_no_endpoint_is_the_one_asked(
+    endpoint: str, store: RedisStore, redis_cluster: RedisCluster, redis_keyspace: str
+) -> None:
+    """CLUSTER SLOTS gives NULL (``unknown-endpoint``) or '?' (``hostname`` with no
+    hostname set) for the node asked: its own address (review: a TypeError, or a client
+    of localhost:6379)."""
+    keys = _keys_on_every_node(redis_cluster, redis_keyspace, each=1)
+    for node in redis_cluster.nodes:
+        node.command("CONFIG", "SET", "cluster-preferred-endpoint-type", endpoint)
+    try:
+        said = await anyio.to_thread.run_sync(
+            lambda: store.writefrom([(k, [b"v" * 100]) for k in keys])
+        )
+        assert said == [None] * len(keys)
+        got, order, _ = await anyio.to_thread.run_sync(
+            lambda: _read(store, keys, [100] * len(keys))
+        )
+        assert got == [100] * len(keys) and order == list(range(len(keys)))
+    finally:
+        for node in redis_cluster.nodes:
+            node.command("CONFIG", "SET", "cluster-preferred-endpoint-type", "ip")
+
+
+def test_options_of_the_cluster_client_alone_keep_a_cluster_copying() -> None:
+    from asyncpin import ConfigError
+
+    url = "redis://127.0.0.1:1/0"
+    store = RedisStore(url, cluster=True, require_full_coverage=True)
+    assert not store.direct_reads and not store.direct_writes
+    with pytest.raises(ConfigError, match="require_full_coverage= is for redis-py's cluster"):
+        RedisStore(url, cluster=True, require_full_coverage=True, direct_reads=True)

@@ -417,7 +417,10 @@ def test_options_the_direct_reads_cannot_use_are_refused() -> None:
     copying = RedisStore(url, cluster=True, direct_reads=False)
     assert not copying.direct_reads and not copying.direct_writes
     with pytest.raises(ConfigError, match="retry= is an object of redis-py's asyncio"):
-        RedisStore(url, cluster=True, retry=Retry(NoBackoff(), 1))
+        RedisStore(url, cluster=True, retry=Retry(NoBackoff(), 1), direct_reads=True)
+    # A cluster given no choice takes the copying path where its options need it.
+    fallen_back = RedisStore(url, cluster=True, retry=Retry(NoBackoff(), 1))
+    assert not fallen_back.direct_reads and not fallen_back.direct_writes
     assert RedisStore(url).direct_reads and RedisStore(url).direct_writes
     reads_only = RedisStore(url, direct_writes=False)
     assert reads_only.direct_reads and not reads_only.direct_writes

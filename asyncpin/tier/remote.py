@@ -66,6 +66,22 @@ __all__ = [
 
 _log = ShieldedLog(structlog.get_logger("asyncpin"))
 _SLOTS = 16384  # a Redis Cluster's hash slots
+# A host a node may announce: a name or an IPv4 or IPv6 address, nothing a URL would read
+# as something else.
+_HOST = re.compile(r"[A-Za-z0-9._:%-]{1,253}")
+# Options of redis-py's cluster client alone (the direct path's clients are per node).
+_CLUSTER_CLIENT_ONLY = frozenset(
+    {
+        "address_remap",
+        "cluster_error_retry_attempts",
+        "dynamic_startup_nodes",
+        "load_balancing_strategy",
+        "read_from_replicas",
+        "reinitialize_steps",
+        "require_full_coverage",
+        "startup_nodes",
+    }
+)
 T = TypeVar("T")
 
 MAGIC = b"APKV"
@@ -172,6 +188,11 @@ class RedisStore:
         except Exception:  # ValueError, TypeError, redis-py's own errors of an option
             raise ConfigError(f"not a usable Redis URL or option for {self._where}") from None
         self.cluster = cluster
+        # A cluster given no choice goes direct where its options allow, and through
+        # redis-py's cluster client where they are for that client alone
+        # (``address_remap``, ``read_from_replicas``...: the direct path's per-node
+        # clients would refuse or ignore them).
+        fall_back = cluster and direct_reads is None and direct_writes is None
         if direct_reads is None:
             direct_reads = True
         if direct_writes is None:
@@ -179,16 +200,6 @@ class RedisStore:
         for flag, on in (("direct_reads", direct_reads), ("direct_writes", direct_writes)):
             if not isinstance(on, bool):
                 raise ConfigError(f"{flag} must be a bool or None, got {on!r}")
-            for option, value in client_options.items() if on else ():
-                if type(value).__module__.startswith("redis.asyncio"):
-                    raise ConfigError(
-                        f"{option}= is an object of redis-py's asyncio client, which the "
-                        f"direct path's blocking client cannot use: pass {flag}=False"
-                    )
-        #: Whether fetches read straight into host blocks (:meth:`readinto`).
-        self.direct_reads: bool = direct_reads
-        #: Whether writes send straight from host blocks (:meth:`writefrom`).
-        self.direct_writes: bool = direct_writes
         # readinto's blocking client (made on first use, in a worker thread).
         self._blocking_args = (url, options)
         self._blocking: Any = None
@@ -196,25 +207,51 @@ class RedisStore:
         self._idle: list[Any] = []  # the direct reads' connections, not in use
         # A cluster's nodes, by (host, port): their blocking clients and idle connections,
         # and which node serves each of the 16384 slots (CLUSTER SLOTS, asked again
-        # after a MOVED or an ASK).
+        # after a MOVED or an ASK, and after a node failed).
         self._node_clients: dict[tuple[str, int], Any] = {}
         self._node_idle: dict[tuple[str, int], list[Any]] = {}
         self._slots: list[tuple[str, int] | None] | None = None
         self._stale_slots = False
         self._closed = False
         if direct_reads or direct_writes:
-            try:  # an option the blocking client's connections refuse: now, not per call
-                conn = self._new_connection()
-            except Exception:
-                conn = None
-            # A connection of another kind (client-side caching's proxy, say) has no
-            # socket of its own for the direct path to read and write.
-            if conn is None or not hasattr(conn, "_sock"):
+            try:
+                self._idle.append(self._direct_connection(client_options, direct_reads))
+            except ConfigError:
+                if not fall_back:
+                    raise
+                direct_reads = direct_writes = False
+        #: Whether fetches read straight into host blocks (:meth:`readinto`).
+        self.direct_reads: bool = direct_reads
+        #: Whether writes send straight from host blocks (:meth:`writefrom`).
+        self.direct_writes: bool = direct_writes
+
+    def _direct_connection(self, client_options: Mapping[str, Any], reads: bool) -> Any:
+        """A first connection for the direct path, or ConfigError for an option its
+        blocking clients cannot take: now, not per call."""
+        flag = "direct_reads" if reads else "direct_writes"
+        for option, value in client_options.items():
+            if type(value).__module__.startswith("redis.asyncio"):
                 raise ConfigError(
-                    f"an option for {self._where} that the direct path's blocking client "
-                    "refuses: pass direct_reads=False, direct_writes=False"
-                ) from None
-            self._idle.append(conn)
+                    f"{option}= is an object of redis-py's asyncio client, which the "
+                    f"direct path's blocking client cannot use: pass {flag}=False"
+                )
+            if option in _CLUSTER_CLIENT_ONLY:
+                raise ConfigError(
+                    f"{option}= is for redis-py's cluster client, which the direct path "
+                    "does not use: pass direct_reads=False, direct_writes=False"
+                )
+        try:
+            conn = self._new_connection()
+        except Exception:
+            conn = None
+        # A connection of another kind (client-side caching's proxy, say) has no
+        # socket of its own for the direct path to read and write.
+        if conn is None or not hasattr(conn, "_sock"):
+            raise ConfigError(
+                f"an option for {self._where} that the direct path's blocking client "
+                "refuses: pass direct_reads=False, direct_writes=False"
+            ) from None
+        return conn
 
     def __repr__(self) -> str:
         return f"<RedisStore {self._where}{' cluster' if self.cluster else ''}>"
@@ -367,6 +404,8 @@ class RedisStore:
                 said = error.decode(errors="replace")
                 failure = RemoteError(f"GET on {self._where} failed: {self._redact(said)}")
         except Exception as exc:
+            if self.cluster:  # a node down or failed over: the slots are asked again
+                self._stale_slots = True
             failure = self._failure("GET", exc)
         if failure is not None:
             # Raised here, with no context, and the name dropped: the failed read's
@@ -418,7 +457,7 @@ class RedisStore:
         failure: RemoteError | None = None
         try:
             todo = list(range(len(items)))
-            for _ in range(2):  # a second time for the keys whose slot moved
+            for attempt in range(2):  # a second time for the keys whose slot moved
                 moved = self._send_sets(
                     [items[i][0] for i in todo],
                     [values[i] for i in todo],
@@ -431,8 +470,13 @@ class RedisStore:
                 if not moved:
                     break
                 self._stale_slots = True
-                todo = [todo[j] for j in moved]
+                if attempt:  # sent away again: not written, and said so
+                    for j, said in moved:
+                        errors[todo[j]] = self._redact(said.decode(errors="replace"))
+                todo = [todo[j] for j, _ in moved]
         except Exception as exc:
+            if self.cluster:  # a node down or failed over: the slots are asked again
+                self._stale_slots = True
             failure = self._failure("SET", exc)
         if failure is not None:
             try:  # as in readinto: no frame of this call kept alive by the error
@@ -450,10 +494,10 @@ class RedisStore:
         check_cancelled: Callable[[], None],
         prepare: Callable[[int], None] | None,
         errors_of: Callable[[int, str], None],
-    ) -> list[int]:
+    ) -> list[tuple[int, bytes]]:
         """One pipeline of SETs per node (one on a single node); the server's refusals
-        go to ``errors_of``. Returns the indices of the keys whose slot moved."""
-        moved: list[int] = []
+        go to ``errors_of``. Returns the keys whose slot moved: (index, the reply)."""
+        moved: list[tuple[int, bytes]] = []
         plan = self._plan(keys, deadline, check_cancelled)
         with contextlib.ExitStack() as stack:
             for at in dict.fromkeys(plan):
@@ -483,7 +527,7 @@ class RedisStore:
                 for i in mine:
                     said = wire.status()
                     if said is not None and _redirected(said):
-                        moved.append(i)
+                        moved.append((i, said))
                     elif said is not None:
                         errors_of(i, self._redact(said.decode(errors="replace")))
         return sorted(moved)
@@ -526,17 +570,36 @@ class RedisStore:
                     first, last, primary = int(entry[0]), int(entry[1]), entry[2]
                     if not 0 <= first <= last < _SLOTS:
                         raise ConnectionError(f"CLUSTER SLOTS gave slots {first}-{last}")
-                    host = bytes(primary[0]).decode()
-                    # An empty host is the asked node's own (a node that knows no other).
-                    host = host or (_host_port(self._blocking_args[0])[0] if at is None else at[0])
+                    host = "" if primary[0] is None else bytes(primary[0]).decode()
+                    # No endpoint (NULL, empty, or '?': a hostname the node was not
+                    # given) is the asked node's own address.
+                    if host in ("", "?"):
+                        host = _host_port(self._blocking_args[0])[0] if at is None else at[0]
+                    if not _HOST.fullmatch(host):
+                        raise ConnectionError(f"CLUSTER SLOTS named a host {host[:60]!r}")
                     slots[first : last + 1] = [(host, int(primary[1]))] * (last - first + 1)
             except Exception as exc:  # a node down, or a reply of another shape
                 failure = failure or exc
                 continue
             self._slots, self._stale_slots = slots, False
+            self._forget_nodes_but(set(slots))
             return slots
         assert failure is not None
         raise failure
+
+    def _forget_nodes_but(self, serving: set[tuple[str, int] | None]) -> None:
+        """Close the clients and idle connections of nodes that serve no slot now (a
+        node failed over, or gone: they are made again if it comes back)."""
+        with self._blocking_lock:
+            gone = [at for at in self._node_clients if at not in serving]
+            clients = [self._node_clients.pop(at) for at in gone]
+            conns = [c for at in gone for c in self._node_idle.pop(at, [])]
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                conn.disconnect()
+        for client in clients:
+            with contextlib.suppress(Exception):
+                client.close()
 
     @contextlib.contextmanager
     def _wire(
@@ -566,7 +629,8 @@ class RedisStore:
             raise
         finally:
             with self._blocking_lock:
-                if self._closed:
+                # Closed, or its node forgotten meanwhile (``_forget_nodes_but``).
+                if self._closed or (at is not None and self._node_idle.get(at) is not idle):
                     conn.disconnect()
                 else:
                     idle.append(conn)
