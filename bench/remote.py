@@ -123,6 +123,7 @@ async def measure(
     backend: str,
     direct_reads: bool | None = None,
     direct_writes: bool | None = None,
+    sealed: bool = False,
 ) -> dict[str, Any]:
     import redis.asyncio
     import redis.asyncio.cluster
@@ -170,6 +171,7 @@ async def measure(
                     model="bench-remote",
                     namespace=namespace,
                     remote_queue=max(256, blocks),
+                    remote_secret=os.urandom(32) if sealed else None,
                 ) as tier,
                 anyio.create_task_group() as tasks,
             ):
@@ -210,6 +212,7 @@ async def measure(
         "timeout_s": timeout_s,
         "direct_reads": store.direct_reads,
         "direct_writes": store.direct_writes,
+        "sealed": sealed,
         "rounds": rounds,
         "median": _medians(rounds),
         "remote_stats": {
@@ -404,6 +407,11 @@ def main() -> int:
         action="store_true",
         help="RedisStore(direct_writes=False): copy each block out, write the copies",
     )
+    p.add_argument(
+        "--sealed",
+        action="store_true",
+        help="KVTier(remote_secret=...): values sealed with a keyed BLAKE2b, not XXH3",
+    )
     args = p.parse_args()
     quiet_logs()
     try:
@@ -426,6 +434,7 @@ def main() -> int:
                     backend=args.backend,
                     direct_reads=False if args.copied_reads else None,
                     direct_writes=False if args.copied_writes else None,
+                    sealed=args.sealed,
                 ),
                 backend="asyncio",  # redis-py's client is asyncio's
             )

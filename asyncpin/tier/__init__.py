@@ -308,7 +308,10 @@ class KVTier:
     counts, never blocks), so a block evicted from the host is there already;
     ``lookup_remote`` and ``restore`` reach the blocks the host misses. ``model`` names
     the model in the keys (with the layout and the rank), so that other models or
-    shardings never read these blocks. Leaving the tier gives pending writes
+    shardings never read these blocks. ``remote_secret`` (16 to 64 bytes, shared by the
+    servers that share the store) seals every value with a keyed BLAKE2b instead of an
+    XXH3 checksum: then only values sealed with it are data, so a writer to the store
+    without the secret cannot plant blocks. Leaving the tier gives pending writes
     ``flush_timeout_s``, drops the rest (counted) and closes the store."""
 
     def __init__(
@@ -321,6 +324,7 @@ class KVTier:
         namespace: str = "asyncpin",
         remote_queue: int = 256,
         flush_timeout_s: float = 2.0,
+        remote_secret: bytes | None = None,
     ) -> None:
         layout = manager.kv_layout
         if layout is None:
@@ -346,6 +350,7 @@ class KVTier:
                 namespace=namespace,
                 host_block_bytes=layout.host_block_bytes,
                 queue_blocks=remote_queue,
+                secret=remote_secret,
             )
         self._flush_timeout_s = float(flush_timeout_s)
         self._tasks: anyio.abc.TaskGroup | None = None

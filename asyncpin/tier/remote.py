@@ -1013,9 +1013,30 @@ def checksum(payload: bytes | memoryview) -> int:
     return _xxh3()(payload)
 
 
-def encode_header(payload: bytes | memoryview, print_: bytes, digest: bytes) -> bytes:
+# 3: the checksum is a keyed BLAKE2b-64 of the fingerprint, the hash digest and the
+# payload (``secret=``): a value only a holder of the secret can make.
+KEYED_VERSION = 3
+
+
+def seal(
+    payload: bytes | memoryview, print_: bytes, digest: bytes, secret: bytes | None = None
+) -> int:
+    """The header's checksum field: XXH3-64 of the payload, or with ``secret`` a keyed
+    BLAKE2b-64 of the fingerprint, the hash digest and the payload."""
+    if secret is None:
+        return checksum(payload)
+    mac = hashlib.blake2b(print_, key=secret, digest_size=8)
+    mac.update(digest)
+    mac.update(payload)  # hashlib lets go of the GIL over a large buffer
+    return int.from_bytes(mac.digest(), "little")
+
+
+def encode_header(
+    payload: bytes | memoryview, print_: bytes, digest: bytes, secret: bytes | None = None
+) -> bytes:
     size = memoryview(payload).nbytes  # bytes, whatever the items
-    return _HEADER.pack(MAGIC, VERSION, size, checksum(payload), print_, digest)
+    version = VERSION if secret is None else KEYED_VERSION
+    return _HEADER.pack(MAGIC, version, size, seal(payload, print_, digest, secret), print_, digest)
 
 
 def _wrong_type(error: Exception | bytes, *, reworded: bool = False) -> bool:
@@ -1030,16 +1051,23 @@ def _wrong_type(error: Exception | bytes, *, reworded: bool = False) -> bool:
 
 
 def _header_fault(
-    size: int, head: bytes | memoryview, *, nbytes: int, print_: bytes, digest: bytes
+    size: int,
+    head: bytes | memoryview,
+    *,
+    nbytes: int,
+    print_: bytes,
+    digest: bytes,
+    keyed: bool = False,
 ) -> tuple[str | None, int]:
     """Why a value of ``size`` bytes that starts with ``head`` is not data (None: its
-    header is right), and the header's checksum of the payload."""
+    header is right), and the header's checksum of the payload. ``keyed``: only a keyed
+    value (version 3) is data; otherwise only an unkeyed one (version 2)."""
     if size < HEADER_BYTES:
         return "truncated", 0
     magic, version, length, crc, their_print, their_digest = _HEADER.unpack_from(head)
     if magic != MAGIC:
         return "magic", crc
-    if version != VERSION:
+    if version != (KEYED_VERSION if keyed else VERSION):
         return "version", crc
     if length != nbytes:
         return "length", crc
@@ -1052,14 +1080,19 @@ def _header_fault(
     return None, crc
 
 
-def decode(value: bytes, *, nbytes: int, print_: bytes, digest: bytes) -> memoryview | str:
+def decode(
+    value: bytes, *, nbytes: int, print_: bytes, digest: bytes, secret: bytes | None = None
+) -> memoryview | str:
     """The payload of ``value``, or why it is not data (a short reason: ``truncated``,
-    ``magic``, ``version``, ``length``, ``foreign``, ``stale``, ``checksum``)."""
-    fault, crc = _header_fault(len(value), value, nbytes=nbytes, print_=print_, digest=digest)
+    ``magic``, ``version``, ``length``, ``foreign``, ``stale``, ``checksum``). With
+    ``secret``, only a value sealed with it is data."""
+    fault, crc = _header_fault(
+        len(value), value, nbytes=nbytes, print_=print_, digest=digest, keyed=secret is not None
+    )
     if fault is not None:
         return fault
     payload = memoryview(value)[HEADER_BYTES:]
-    if checksum(payload) != crc:
+    if seal(payload, print_, digest, secret) != crc:
         return "checksum"
     return payload
 
@@ -1145,6 +1178,7 @@ class RemoteLink:
         queue_blocks: int,
         batch_blocks: int = 16,
         write_batch_blocks: int | None = None,
+        secret: bytes | None = None,
     ) -> None:
         if not isinstance(store, RemoteStore):
             raise ConfigError(f"remote must be a RemoteStore (RedisStore, say), not {store!r}")
@@ -1158,6 +1192,12 @@ class RemoteLink:
         if not isinstance(namespace, str) or not namespace:
             raise ConfigError(f"namespace must be a non-empty str, got {namespace!r}")
         _xxh3()  # the values' checksum: its library now, not at the first write
+        if secret is not None and not (
+            isinstance(secret, bytes | bytearray) and 16 <= len(secret) <= 64
+        ):
+            raise ConfigError("remote_secret must be 16 to 64 bytes (bytes), or None")
+        # The key of the values' seal (never logged, never in repr).
+        self._secret = None if secret is None else bytes(secret)
         self.store = store
         self.print_ = print_
         self._prefix = f"{namespace}:{print_.hex()}:"
@@ -1315,7 +1355,9 @@ class RemoteLink:
                     np.frombuffer(payload, dtype=np.uint8),
                 )
                 digest = hash_digest(block_hash)
-                value[:HEADER_BYTES] = encode_header(value[HEADER_BYTES:], self.print_, digest)
+                value[:HEADER_BYTES] = encode_header(
+                    value[HEADER_BYTES:], self.print_, digest, self._secret
+                )
                 items.append((key, (value,)))
             return items
 
@@ -1326,7 +1368,9 @@ class RemoteLink:
             def prepare(i: int) -> None:  # the checksum of one block while the last goes
                 header, payload = items[i][1]
                 digest = hash_digest(held[i][0])
-                cast(memoryview, header)[:] = encode_header(payload, self.print_, digest)
+                cast(memoryview, header)[:] = encode_header(
+                    payload, self.print_, digest, self._secret
+                )
 
             return writefrom(
                 items, check_cancelled=anyio.from_thread.check_cancelled, prepare=prepare
@@ -1498,7 +1542,13 @@ class RemoteLink:
                 if value is None:
                     out.append(None)
                     break
-                got = decode(value, nbytes=self.nbytes, print_=self.print_, digest=hash_digest(h))
+                got = decode(
+                    value,
+                    nbytes=self.nbytes,
+                    print_=self.print_,
+                    digest=hash_digest(h),
+                    secret=self._secret,
+                )
                 out.append(got)
                 if isinstance(got, str):
                     break
@@ -1565,7 +1615,12 @@ class RemoteLink:
             ended = ended or i != last + 1
             last = i
             fault, crc = _header_fault(
-                size, head, nbytes=self.nbytes, print_=self.print_, digest=digests[i]
+                size,
+                head,
+                nbytes=self.nbytes,
+                print_=self.print_,
+                digest=digests[i],
+                keyed=self._secret is not None,
             )
             if ended or fault is not None:
                 ended = True
@@ -1591,7 +1646,7 @@ class RemoteLink:
                 if isinstance(got, str):
                     return i, got
                 block, crc = got
-                if checksum(block) != crc:
+                if seal(block, self.print_, digests[i], self._secret) != crc:
                     return i, "checksum"
             return len(part), None
 
