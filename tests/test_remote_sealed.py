@@ -55,13 +55,21 @@ async def test_sealed_values_round_trip_and_forged_ones_are_misses(
             assert same(layout, [10, 11], kept)
 
             # Forged by a writer without the secret, with the library's public functions:
-            # an unkeyed value (version 2), then a keyed one sealed with another secret.
+            # an unkeyed value (version 2), the same with its version byte made 3 (an
+            # XXH3 checksum where the seal goes), then one sealed with another secret.
             nbytes = layout.host_block_bytes
             print_ = tier.remote.print_
-            for block_hash, secret, reason in ((3, None, "version"), (4, b"x" * 16, "checksum")):
+            forged: list[tuple[int, bytes | None, bool, str]] = [
+                (3, None, False, "version"),
+                (5, None, True, "checksum"),
+                (4, b"x" * 16, False, "checksum"),
+            ]
+            for block_hash, secret, as_keyed, reason in forged:
                 payload = bytes([0x41]) * nbytes
-                header = encode_header(payload, print_, hash_digest(block_hash), secret)
-                plant(redis_server, tier, block_hash, payload, header)
+                header = bytearray(encode_header(payload, print_, hash_digest(block_hash), secret))
+                if as_keyed:
+                    header[4] = KEYED_VERSION
+                plant(redis_server, tier, block_hash, payload, bytes(header))
                 before = blocks_of(layout, [12])
                 assert await tier.restore([block_hash], [12]) == 0
                 assert same(layout, [12], before)  # nothing of it reached the device
@@ -96,6 +104,8 @@ async def test_a_secret_is_16_to_64_bytes(secret: object) -> None:
         store = RedisStore("redis://127.0.0.1:1/0")
         with pytest.raises(ConfigError, match="remote_secret must be 16 to 64 bytes"):
             KVTier(mgr, remote=store, remote_secret=secret)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="give remote= too"):
+            KVTier(mgr, remote_secret=SECRET)
         await store.aclose()
 
 

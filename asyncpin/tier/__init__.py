@@ -335,6 +335,8 @@ class KVTier:
         self.dropped_events = 0
         self._num_blocks = layout.num_blocks
         self.remote: RemoteLink | None = None
+        if remote is None and remote_secret is not None:
+            raise ConfigError("remote_secret seals a remote store's values: give remote= too")
         if remote is not None:
             if not isinstance(model, str):
                 raise ConfigError(f"model is a str naming the model, not {model!r}")

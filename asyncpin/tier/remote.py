@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import hmac
 import json
 import math
 import re
@@ -1092,9 +1093,14 @@ def decode(
     if fault is not None:
         return fault
     payload = memoryview(value)[HEADER_BYTES:]
-    if seal(payload, print_, digest, secret) != crc:
+    if not _same_seal(seal(payload, print_, digest, secret), crc):
         return "checksum"
     return payload
+
+
+def _same_seal(made: int, said: int) -> bool:
+    """Compared in constant time (a seal's bytes are a MAC's with a secret)."""
+    return hmac.compare_digest(made.to_bytes(8, "little"), said.to_bytes(8, "little"))
 
 
 # -- the link between a tier and its remote store ------------------------------------------
@@ -1646,7 +1652,7 @@ class RemoteLink:
                 if isinstance(got, str):
                     return i, got
                 block, crc = got
-                if seal(block, self.print_, digests[i], self._secret) != crc:
+                if not _same_seal(seal(block, self.print_, digests[i], self._secret), crc):
                     return i, "checksum"
             return len(part), None
 
