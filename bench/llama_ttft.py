@@ -16,8 +16,11 @@ device idle to the first greedy token on the host, CUDA-synchronised), median of
   (``KVTier.load_layers``); layer i waits for its own load only, then gathers its blocks;
 - ``host_whole``: the same with one load of every layer (layer 0 waits for all of it);
 - ``kept``: the prefix never left the GPU: gather the pool blocks, prefill the suffix;
-- ``remote`` (with ``--redis-url``): the host tier cleared (untimed), then
-  ``tier.lookup_remote`` and ``tier.restore`` bring the prefix back from that server.
+- ``remote`` (with ``--redis-url``, a cluster's seed node with ``--redis-cluster``, or
+  ``--own-servers node|cluster``: a redis-server, or three as a cluster, started on
+  loopback for the run by tests/redis_servers.py, ``ASYNCPIN_TEST_SERVER=valkey`` for
+  Valkey): the host tier cleared (untimed), then ``tier.lookup_remote`` and
+  ``tier.restore`` bring the prefix back from that server.
 
 The check: each way generates ``--new-tokens`` greedy tokens once, the kept way twice. Every
 hit way must restore every prefix block bit for bit and its forward must read the prefix
@@ -239,8 +242,8 @@ async def bench(args: Any, device: torch.device) -> dict[str, Any]:
     if args.redis_url:
         from asyncpin.tier.remote import RedisStore
 
-        remote = RedisStore(args.redis_url, timeout_s=30.0)
-        doc["remote"] = "redis (one node, loopback)"
+        remote = RedisStore(args.redis_url, cluster=args.redis_cluster, timeout_s=30.0)
+        doc["remote"] = f"redis ({'cluster' if args.redis_cluster else 'one node'}, loopback)"
     async with (
         OffloadManager.for_kv(layout, max_blocks + 2) as mgr,
         KVTier(
@@ -325,6 +328,13 @@ def main() -> None:
     p.add_argument(
         "--redis-url", default=None, help="adds the remote way: the prefix fetched from there"
     )
+    p.add_argument("--redis-cluster", action="store_true", help="--redis-url is a cluster's")
+    p.add_argument(
+        "--own-servers",
+        choices=("node", "cluster"),
+        default=None,
+        help="the remote way on servers of our own, started for the run",
+    )
     args = p.parse_args()
     if args.quick:
         args.config = args.config or "tiny"
@@ -338,11 +348,32 @@ def main() -> None:
     args.config = args.config or "llama-3.1-8b"
     args.prompts = args.prompts or [2048, 8192, 32768]
     quiet_logs()
-    doc = anyio.run(bench, args, device)
+    doc = _on_own_servers(args, device) if args.own_servers else anyio.run(bench, args, device)
     write_json(args.json_out, doc)
     _table(doc)
     if any(_check(row) == "DIFFER" for row in doc["sizes"].values()):
         sys.exit("the tokens or the restored KV differ from the kept prefix's")
+
+
+def _on_own_servers(args: Any, device: torch.device) -> dict[str, Any]:
+    """``bench`` with ``--redis-url`` a server (or a three-node cluster) of our own."""
+    import shutil
+    import tempfile
+
+    from tests.redis_servers import SERVER, RedisCluster, RedisServer
+
+    root = Path(tempfile.mkdtemp(prefix="asyncpin-redis-ttft-"))
+    cluster = args.own_servers == "cluster"
+    servers = RedisCluster(root / "cluster") if cluster else RedisServer(root / "single")
+    try:
+        servers.start()
+        args.redis_url, args.redis_cluster = servers.url, cluster
+        doc: dict[str, Any] = anyio.run(bench, args, device)
+        doc["own_servers"] = f"{SERVER}, {args.own_servers}"
+        return doc
+    finally:
+        servers.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

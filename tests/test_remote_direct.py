@@ -287,8 +287,8 @@ async def test_a_run_broken_for_want_of_room_stops_the_direct_fetch(
             commits: list[tuple[int, bool]] = []
             commit = _FetchSink.commit
 
-            def counted(sink: _FetchSink, part: Any, valid: int) -> bool:
-                go_on = commit(sink, part, valid)
+            def counted(sink: _FetchSink, k: int, part: Any, valid: int) -> bool:
+                go_on = commit(sink, k, part, valid)
                 commits.append((valid, go_on))
                 if len(commits) == 2:
                     tier.index.end_load(others, held)  # that load is over: room again
@@ -298,9 +298,9 @@ async def test_a_run_broken_for_want_of_room_stops_the_direct_fetch(
             assert await tier.restore(hashes, list(range(48))) == 16
             # The second part found no room: its values are read and checked in spares
             # (16 valid, counted as hits as the copying fetch counts them), none is on
-            # the host, and the run ends there (no third part asked: unlike the copying
-            # fetch, which reads one part ahead, it counts no miss).
-            assert commits == [(16, True), (16, False)]
+            # the host, and the run ends there: the third part, read ahead, is dropped
+            # (committed with none valid, not counted as looked up).
+            assert commits == [(16, True), (16, False), (0, False)]
             remote = tier.stats().remote
             assert remote is not None
             assert (remote.lookups, remote.hit_blocks, remote.missed_blocks) == (32, 32, 0)
@@ -789,3 +789,160 @@ async def test_a_redis_tier_on_trio_is_refused(anyio_backend: str) -> None:
             async with KVTier(mgr, remote=store):
                 pass
         await store.aclose()
+
+
+# -- parts read at once (``read_depth``) -----------------------------------------------------
+
+
+def _second_part_first(store: RedisStore, first_key: str, second_key: str) -> threading.Event:
+    """``store.readinto`` made to read the part starting at ``second_key`` before the one
+    starting at ``first_key`` is read (the first waits for it, 5 s at most): returns the
+    event set once the second part's read is over, which is set in time only if the
+    two parts are read at once."""
+    real = store.readinto
+    second_read = threading.Event()
+
+    def ordered(keys: Any, into: Any, **kwargs: Any) -> list[int | None]:
+        if keys[0] == first_key:
+            second_read.wait(5)
+        try:
+            return real(keys, into, **kwargs)
+        finally:
+            if keys[0] == second_key:
+                second_read.set()
+
+    store.readinto = ordered  # type: ignore[method-assign]
+    return second_read
+
+
+@pytest.mark.redis
+async def test_parts_are_read_at_once_and_committed_in_order(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """Parts of 4 blocks, two read at once: the second part's read ends before the
+    first's starts, and the restore still brings the whole run back, in order, every
+    byte right, on two connections. (Before: one part at a time, the first part's read
+    waited for a second part that was never read alongside it.)"""
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(redis_server.url, redis_keyspace, host_blocks=BLOCKS) as (
+            tier,
+            layout,
+        ):
+            link = tier.remote
+            assert link is not None and isinstance(link.store, RedisStore)
+            link.batch = 4
+            hashes = list(range(1200, 1216))
+            kept = await stored_and_forgotten(tier, layout, hashes)
+            second_read = _second_part_first(
+                link.store, link.key_of(hashes[0]), link.key_of(hashes[4])
+            )
+            assert await tier.restore(hashes, list(range(16))) == 16
+            assert second_read.is_set()
+            assert same(layout, list(range(16)), kept)
+            remote = tier.stats().remote
+            assert remote is not None
+            assert (remote.lookups, remote.hit_blocks, remote.missed_blocks) == (16, 16, 0)
+            assert len(link.store._idle) == 2  # each read had a connection of its own
+            await nothing_held(tier)
+
+
+@pytest.mark.redis
+async def test_a_part_read_ahead_of_the_runs_end_is_dropped(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """The second value of the first part is corrupt, and the second part has been read
+    ahead (whole, into host blocks) by then: the restore brings back the one block
+    before the fault; the second part's blocks are freed, not indexed, and not counted
+    as looked up."""
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(redis_server.url, redis_keyspace, host_blocks=BLOCKS) as (
+            tier,
+            layout,
+        ):
+            link = tier.remote
+            assert link is not None and isinstance(link.store, RedisStore)
+            link.batch = 4
+            hashes = list(range(1300, 1316))
+            kept = await stored_and_forgotten(tier, layout, hashes)
+            key = link.key_of(hashes[1])
+            value = redis_server.command("GET", key)
+            assert isinstance(value, bytes)
+            redis_server.command("SET", key, value[:-1] + bytes([value[-1] ^ 1]))
+            second_read = _second_part_first(
+                link.store, link.key_of(hashes[0]), link.key_of(hashes[4])
+            )
+            assert await tier.restore(hashes, list(range(16))) == 1
+            assert second_read.is_set()
+            assert same(layout, [0], [k[:1] for k in kept])
+            assert tier.lookup(hashes) == 1
+            assert not any(h in tier.index for h in hashes[4:])
+            remote = tier.stats().remote
+            assert remote is not None and remote.invalid_by_reason == {"checksum": 1}
+            assert (remote.lookups, remote.hit_blocks, remote.fetched_blocks) == (4, 1, 1)
+            await nothing_held(tier)
+
+
+@pytest.mark.redis
+async def test_a_part_read_ahead_takes_no_room_an_earlier_part_needs(
+    redis_server: RedisServer, redis_keyspace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16 blocks of room (another load holds the other 48): the second part, read
+    while the first waits, may not take the room the first needs; it is read again in
+    its turn, by when the other load is over, and the whole run comes back. (Before:
+    the second part took the 16 free blocks, the first found none, and the restore
+    brought back nothing.)"""
+    from asyncpin.tier import _FetchSink
+
+    dev = 64
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(
+            redis_server.url, redis_keyspace, layout=host_of(dev), host_blocks=dev
+        ) as (tier, layout):
+            hashes, others, held = await a_run_behind_a_held_host(tier, layout)
+            kept = blocks_of(layout, list(range(48)))
+            link = tier.remote
+            assert link is not None and isinstance(link.store, RedisStore)
+            reads: list[str] = []
+            real = link.store.readinto
+
+            def counted_read(keys: Any, into: Any, **kwargs: Any) -> list[int | None]:
+                reads.append(keys[0])
+                return real(keys, into, **kwargs)
+
+            link.store.readinto = counted_read  # type: ignore[method-assign]
+            second_read = _second_part_first(
+                link.store, link.key_of(hashes[0]), link.key_of(hashes[16])
+            )
+            commit = _FetchSink.commit
+
+            def first_frees_room(sink: _FetchSink, k: int, part: Any, valid: int) -> bool:
+                go_on = commit(sink, k, part, valid)
+                if k == 0:
+                    tier.index.end_load(others, held)  # that load is over: room again
+                return go_on
+
+            monkeypatch.setattr(_FetchSink, "commit", first_frees_room)
+            for raw in layout.byte_arrays():
+                raw.zero_()
+            assert await tier.restore(hashes, list(range(48))) == 48
+            assert second_read.is_set()
+            assert reads.count(link.key_of(hashes[16])) == 2  # read ahead, then in turn
+            assert same(layout, list(range(48)), kept)
+            await nothing_held(tier)
+
+
+@pytest.mark.parametrize("depth", [0, -1, True, 1.5, "2"])
+def test_a_read_depth_that_is_not_a_count_is_refused(depth: Any) -> None:
+    from asyncpin.errors import ConfigError
+    from asyncpin.tier.remote import RemoteLink
+
+    store = RedisStore("redis://127.0.0.1:1", direct_reads=False)
+    with pytest.raises(ConfigError, match="read_depth"):
+        RemoteLink(
+            store,
+            print_=b"p" * 8,
+            namespace="t",
+            host_block_bytes=64,
+            queue_blocks=4,
+            read_depth=depth,
+        )

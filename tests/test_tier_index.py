@@ -413,6 +413,12 @@ class IndexMachine(RuleBasedStateMachine):
         ready = sum(1 for e in self.index._entries.values() if e.ready)
         assert self.index.stats().resident_blocks == ready == len(self.index._policy)
 
+    @invariant()
+    def room_agrees(self) -> None:
+        """``room()``: the free blocks and the evictable ones (loadable, no reader)."""
+        evictable = sum(1 for e in self.index._entries.values() if e.ready and e.readers == 0)
+        assert self.index.room() == self.index.stats().free_blocks + evictable
+
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_index_against_model(policy: str) -> None:

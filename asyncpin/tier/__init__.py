@@ -249,7 +249,7 @@ class _FetchSink:
     """Where a restore's direct fetch reads (a ``HostSink``): a host block reserved in the
     index for each value as it arrives, then, per part, the valid ones made loadable and
     kept from eviction (in ``held``, until the restore's load is over) and the rest
-    freed."""
+    freed; once a part's commit ends the run, the parts after it get no block."""
 
     def __init__(
         self,
@@ -263,18 +263,25 @@ class _FetchSink:
         self._remote = remote
         self._held = held
         self._removed = removed  # the index's removals when the run was found
-        self._part: list[tuple[BlockHash, StorePlan]] = []  # reserved, in order
+        # Reserved, by part, in order.
+        self._parts: dict[int, list[tuple[BlockHash, StorePlan]]] = {}
+        self._last: int | None = None  # the part whose commit ended the run
 
-    def reserve(self, block_hash: BlockHash) -> memoryview | None:
+    def reserve(self, block_hash: BlockHash, k: int) -> memoryview | None:
         if self._rows is None:
             raise RuntimeError("the restore this fetch was for is over")
+        if self._last is not None and k > self._last:  # read ahead of the run's end
+            return None
         plan = self._index.begin_store([block_hash])
         if not plan.hashes:  # on the host, being stored by another, or no room
             self._index.end_store(plan, ok=False)
             return None
-        self._part.append((block_hash, plan))
+        self._parts.setdefault(k, []).append((block_hash, plan))
         view: memoryview = self._rows[plan.host_blocks[0]].numpy().data
         return view
+
+    def room(self) -> int:
+        return self._index.room()
 
     def close(self) -> None:
         """The restore is over: the sink names the host memory no longer. (A cancelled
@@ -282,8 +289,8 @@ class _FetchSink:
         they must not keep the region mapped meanwhile.)"""
         self._rows = None
 
-    def commit(self, part: Sequence[BlockHash], valid: int) -> bool:
-        reserved, self._part = self._part, []
+    def commit(self, k: int, part: Sequence[BlockHash], valid: int) -> bool:
+        reserved = self._parts.pop(k, [])
         good = set(part[:valid])
         for h, plan in reserved:
             self._index.end_store(plan, ok=h in good)  # not written back: it came from there
@@ -294,7 +301,10 @@ class _FetchSink:
                 break
             ready.append(h)
         self._held.append((ready, self._index.begin_load(ready, touch=False)))
-        return len(ready) == len(part) and self._index.stats().removed_blocks == self._removed
+        go_on = len(ready) == len(part) and self._index.stats().removed_blocks == self._removed
+        if not go_on and self._last is None:
+            self._last = k
+        return go_on
 
 
 class KVTier:

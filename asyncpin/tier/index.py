@@ -131,6 +131,7 @@ class BlockIndex:
         self._open_plans: set[int] = set()  # id() of the plans not ended yet
         self._counts = _Counts()
         self._resident = 0  # entries that are ready (loadable): kept, not counted at stats()
+        self._held = 0  # ready entries a load holds (readers > 0): not evictable
 
     @property
     def policy(self) -> str:
@@ -151,6 +152,11 @@ class BlockIndex:
         self._counts.looked_up_blocks += len(checked)
         self._counts.hit_blocks += n
         return n
+
+    def room(self) -> int:
+        """Host blocks a store could have now: the free ones and those it could evict
+        (loadable, no load under way). O(1)."""
+        return len(self._free) + self._resident - self._held
 
     def host_block(self, block_hash: BlockHash) -> int | None:
         """The host block of a loadable hash, or None."""
@@ -303,6 +309,8 @@ class BlockIndex:
                 raise InvalidTransferError(f"block hash {h!r} is not loadable (lookup first)")
             entries.append((h, entry))
         for h, entry in entries:
+            if entry.readers == 0:
+                self._held += 1
             entry.readers += 1
             if touch:
                 self._policy.touch(h)
@@ -325,6 +333,8 @@ class BlockIndex:
                     held = entry.readers > 0
                     if held:
                         entry.readers -= 1
+                        if entry.readers == 0:
+                            self._held -= 1
                         matched.append(entry)
                 else:
                     users[block] = users.get(block, 0) + 1
@@ -337,6 +347,8 @@ class BlockIndex:
                     )
         except BaseException:
             for entry in matched:
+                if entry.readers == 0:
+                    self._held += 1
                 entry.readers += 1
             raise
         for block in draining:
@@ -375,6 +387,8 @@ class BlockIndex:
         users = entry.readers + (0 if entry.ready else 1)  # a store in flight is a user
         if entry.ready:
             self._resident -= 1
+            if entry.readers:
+                self._held -= 1
             self._policy.remove(h)
             self._counts.removed_blocks += 1
             self._emit("removed", h, entry.host_block)

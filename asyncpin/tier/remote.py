@@ -93,6 +93,8 @@ VERSION = 2
 # 8 reserved: 64 bytes
 _HEADER = struct.Struct("<4sB3xQQ16s16s8x")
 HEADER_BYTES = _HEADER.size  # 64
+# Parts of a direct fetch read at once (bench/RESULTS.md#remote).
+READ_DEPTH = 2
 
 
 class RemoteError(AsyncpinError, RuntimeError):
@@ -1149,20 +1151,27 @@ class _Part:
 
 
 class HostSink(Protocol):
-    """Where ``RemoteLink.fetch_direct`` reads a part: a host block reserved for each
-    value whose header is right, as it arrives; then the valid ones made loadable."""
+    """Where ``RemoteLink.fetch_direct`` reads its parts (numbered from 0, several read
+    at once): a host block reserved for each value whose header is right, as it
+    arrives; then, part after part in order, the valid ones made loadable."""
 
-    def reserve(self, block_hash: int | bytes) -> memoryview | None:
-        """A host block's memory for ``block_hash``'s payload, reserved (not loadable),
-        or None: it needs none (on the host already, or being stored by another) or
-        there is no room (``commit`` tells which). Called on the event loop."""
+    def reserve(self, block_hash: int | bytes, k: int) -> memoryview | None:
+        """A host block's memory for ``block_hash``'s payload (of part ``k``), reserved
+        (not loadable), or None: it needs none (on the host already, or being stored by
+        another), there is no room (``commit`` tells which), or a part before ``k`` ended
+        the run (its commit said stop). Called on the event loop."""
         ...
 
-    def commit(self, part: Sequence[int | bytes], valid: int) -> bool:
-        """The leading ``valid`` values of ``part`` are checked data: make the blocks
+    def room(self) -> int:
+        """Host blocks a reservation could have now (free, or evictable)."""
+        ...
+
+    def commit(self, k: int, part: Sequence[int | bytes], valid: int) -> bool:
+        """The leading ``valid`` values of part ``k`` are checked data: make the blocks
         reserved for them loadable, free every other block reserved for it. Returns
         whether to read on (every one of ``part`` is on the host now, as it was when the
-        run was found). Called once per part, after its read, whatever happened."""
+        run was found). Called once per part, in order, after its read, whatever
+        happened (after a stop, with ``valid`` 0)."""
         ...
 
 
@@ -1185,6 +1194,7 @@ class RemoteLink:
         batch_blocks: int = 16,
         write_batch_blocks: int | None = None,
         secret: bytes | None = None,
+        read_depth: int = READ_DEPTH,
     ) -> None:
         if not isinstance(store, RemoteStore):
             raise ConfigError(f"remote must be a RemoteStore (RedisStore, say), not {store!r}")
@@ -1192,6 +1202,7 @@ class RemoteLink:
             ("remote_queue", queue_blocks),
             ("batch", batch_blocks),
             ("write_batch", 1 if write_batch_blocks is None else write_batch_blocks),
+            ("read_depth", read_depth),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{what} must be an int >= 1, got {value!r}")
@@ -1225,7 +1236,8 @@ class RemoteLink:
         # Worker threads of their own (the writer's copies; the fetches' checks): the
         # application's busy pool never stalls them.
         self._limiter = anyio.CapacityLimiter(1)
-        self.read_limiter = anyio.CapacityLimiter(1)
+        # A direct fetch's parts read at once, each on a connection of its own.
+        self.read_limiter = anyio.CapacityLimiter(read_depth)
         self.copy_limiter = anyio.CapacityLimiter(1)  # fetched values into host blocks
         # Blocks queued and not yet written (or failed): ``idle`` waits for none.
         self._pending = 0
@@ -1576,35 +1588,92 @@ class RemoteLink:
         )
 
     async def fetch_direct(self, hashes: Sequence[int | bytes], sink: HostSink) -> int:
-        """``fetch_into`` for a store that reads into memory (``readinto``): each part of
-        ``batch`` blocks is read in a worker thread, each value's payload straight into
+        """``fetch_into`` for a store that reads into memory (``readinto``): the hashes in
+        parts of ``batch`` blocks, up to ``read_depth`` parts read at once (each in a
+        worker thread on a connection of its own), each value's payload straight into
         the host block ``sink.reserve`` gives once its header is right (no copy on the
-        way), its checksum checked there; ``sink.commit`` then makes the valid leading ones
-        loadable. A miss, an invalid value, no room, a failing server or a commit that
-        says stop ends the run. Returns the blocks committed valid. However the caller
-        is cancelled (an anyio scope, or asyncio's own), the part's read is over before
-        its blocks are freed: the read stops at its next socket wait."""
-        asked = found = 0
+        way), its checksum checked there. The parts are committed in order
+        (``sink.commit`` makes the valid leading ones loadable): a miss, an invalid
+        value, no room, a failing server or a commit that says stop ends the run, and
+        the parts read ahead of it are committed with nothing valid (their blocks
+        freed; ``reserve`` gives them none once it is known, but one reserved before,
+        for a value found after a gap in the run, may have evicted a block for
+        nothing). A part read ahead takes no room the parts before it may still need
+        (``sink.room()``): where that is short, it is read again in its turn. Returns
+        the blocks committed valid. However the caller is cancelled (an anyio scope, or
+        asyncio's own), every read is over before its blocks are freed: a read stops
+        at its next socket wait."""
+        parts = [hashes[lo : lo + self.batch] for lo in range(0, len(hashes), self.batch)]
+        valid = [0] * len(parts)
+        began = [False] * len(parts)  # set by the part's reading thread: asked of the server
+        done = [anyio.Event() for _ in parts]
+        # Blocks each part may still ask to reserve; the parts read ahead that were let
+        # reserve, and those that were not (read again in their turn).
+        need = [len(part) for part in parts]
+        admitted: set[int] = set()
+        deferred: set[int] = set()
+        committed = found = 0  # committed: the parts before the next to commit
+        stopped = False  # the run ended: what was read ahead is dropped, not counted
+
+        def reserve(block_hash: int | bytes, k: int) -> memoryview | None:  # on the loop
+            if k > committed and k not in admitted:
+                if k in deferred or sink.room() < sum(need[committed : k + 1]):
+                    deferred.add(k)
+                    return None
+                admitted.add(k)
+            need[k] -= 1
+            return sink.reserve(block_hash, k)
+
+        async def read(k: int) -> None:
+            try:
+                valid[k] = await self._read_part(parts[k], reserve, k, began)
+            finally:
+                done[k].set()
+
         try:
-            for lo in range(0, len(hashes), self.batch):
-                part = hashes[lo : lo + self.batch]
-                asked += len(part)
-                valid = 0
-                try:
-                    valid = await self._read_part(part, sink)
-                finally:
-                    go_on = sink.commit(part, valid)
-                found += valid
-                if valid < len(part) or not go_on:
-                    break
-        finally:  # a cancelled fetch counts what it asked for and found
+            async with anyio.create_task_group() as tg:
+                # Each part waits its turn for ``read_limiter`` (first come, first
+                # served: the parts are read in order, ``read_depth`` at a time).
+                for k in range(len(parts)):
+                    tg.start_soon(read, k)
+                for k, part in enumerate(parts):
+                    await done[k].wait()
+                    if k in deferred:  # read ahead into spares, short of room: again now
+                        deferred.discard(k)
+                        need[k] = len(part)
+                        valid[k] = await self._read_part(part, reserve, k, began)
+                    committed = k + 1
+                    go_on = sink.commit(k, part, valid[k])
+                    found += valid[k]
+                    if valid[k] < len(part) or not go_on:
+                        stopped = True
+                        tg.cancel_scope.cancel()  # the parts read ahead: stopped, freed below
+                        break
+        finally:
+            for k in range(committed, len(parts)):  # read ahead of the end, or cancelled
+                sink.commit(k, parts[k], 0)
+            # What was looked up: the parts committed and, of a cancelled fetch, those
+            # it asked the server for.
+            asked = sum(
+                len(part)
+                for k, part in enumerate(parts)
+                if k < committed or (began[k] and not stopped)
+            )
             self._counts["lookups"] += asked
             self._counts["hit_blocks"] += found
             self._counts["missed_blocks"] += asked - found
         return found
 
-    async def _read_part(self, part: Sequence[int | bytes], sink: HostSink) -> int:
-        """How many leading values of ``part`` were read into host blocks and are data."""
+    async def _read_part(
+        self,
+        part: Sequence[int | bytes],
+        reserve: Callable[[int | bytes, int], memoryview | None],
+        k: int,
+        began: list[bool],
+    ) -> int:
+        """How many leading values of ``part`` (the ``k``-th of a fetch) were read into
+        the host blocks ``reserve`` gave and are data; ``began[k]`` is set once its read
+        is under way."""
         import anyio.from_thread
 
         read_into: Callable[..., list[int | None]] = cast(Any, self.store).readinto
@@ -1632,13 +1701,14 @@ class RemoteLink:
                 ended = True
                 seen[i] = fault or "after the end"
                 return None
-            block = anyio.from_thread.run_sync(sink.reserve, part[i])
+            block = anyio.from_thread.run_sync(reserve, part[i], k)
             if block is None:  # no block needed, or no room: checked in a spare all the same
                 block = memoryview(bytearray(self.nbytes))
             seen[i] = (block, crc)
             return block
 
         def read() -> tuple[int, str | None]:
+            began[k] = True
             sizes = read_into(
                 [self.key_of(h) for h in part],
                 body_for,
