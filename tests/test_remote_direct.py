@@ -13,7 +13,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import anyio
@@ -946,3 +946,149 @@ def test_a_read_depth_that_is_not_a_count_is_refused(depth: Any) -> None:
             queue_blocks=4,
             read_depth=depth,
         )
+
+
+# -- review findings of the parts read at once (each failed before its fix) ------------------
+
+
+def _deferred_first_read(
+    link: Any, hashes: list[int], part0_committed: threading.Event, fault: str, server: Any
+) -> None:
+    """``readinto`` made to read part 1 (``hashes[16:32]``) ahead of part 0, with no room
+    for it (deferred); its first read goes on past part 0's commit (value 1 waits for
+    ``part0_committed``). ``fault``: "corrupt" (value 5 of part 1 is corrupt on the
+    server for that read only) or "lost" (that read fails at value 3, after its block
+    was asked for)."""
+    real: Callable[..., list[int | None]] = link.store.readinto
+    first_of_part1 = [True]
+    part1_begun = threading.Event()
+    key = link.key_of(hashes[21])
+    good = server.command("GET", key)
+    if fault == "corrupt":
+        server.command("SET", key, good[:-1] + bytes([good[-1] ^ 1]))
+
+    def read(keys: Any, into: Any, **kwargs: Any) -> list[int | None]:
+        if keys[0] == link.key_of(hashes[16]) and first_of_part1[0]:
+            first_of_part1[0] = False
+
+            def slowed(i: int, size: int, head: Any) -> Any:
+                if i == 1:
+                    assert part0_committed.wait(5)
+                got = into(i, size, head)
+                part1_begun.set()
+                if fault == "lost" and i == 3:
+                    raise ConnectionError("connection lost mid-value")
+                return got
+
+            try:
+                return real(keys, slowed, **kwargs)
+            finally:
+                server.command("SET", key, good)  # right again for the next read
+        if keys[0] == link.key_of(hashes[0]):
+            assert part1_begun.wait(5)
+        return real(keys, into, **kwargs)
+
+    link.store.readinto = read
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("fault", ["corrupt", "lost"])
+async def test_a_deferred_parts_first_read_makes_no_block_loadable(
+    fault: str, redis_server: RedisServer, redis_keyspace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Part 1, read ahead with no room, is deferred; part 0 commits (room comes back)
+    while that first read is still under way. Every block the restore reports is its
+    own checked bytes. (Before: the rest of the deferred read took real host blocks once
+    part 0 was committed, and the re-read's check made them loadable: a corrupt block,
+    or one never written, was loaded, and the restore said 48.)"""
+    from asyncpin.tier import _FetchSink
+
+    dev = 64
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(
+            redis_server.url, redis_keyspace, layout=host_of(dev), host_blocks=dev
+        ) as (tier, layout):
+            hashes, others, held = await a_run_behind_a_held_host(tier, layout)
+            kept = blocks_of(layout, list(range(48)))
+            link = tier.remote
+            assert link is not None and isinstance(link.store, RedisStore)
+            part0_committed = threading.Event()
+            _deferred_first_read(link, hashes, part0_committed, fault, redis_server)
+            commit = _FetchSink.commit
+
+            def first_frees_room(sink: _FetchSink, k: int, part: Any, valid: int) -> bool:
+                go_on = commit(sink, k, part, valid)
+                if k == 0:
+                    tier.index.end_load(others, held)  # that load is over: room again
+                    part0_committed.set()
+                return go_on
+
+            monkeypatch.setattr(_FetchSink, "commit", first_frees_room)
+            for raw in layout.byte_arrays():
+                raw.zero_()
+            assert await tier.restore(hashes, list(range(48))) == 48  # read again: all good
+            assert same(layout, list(range(48)), kept)
+            await nothing_held(tier)
+
+
+@pytest.mark.redis
+async def test_parts_are_read_no_further_ahead_than_read_depth(
+    redis_server: RedisServer, redis_keyspace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six parts, part 0 slow: no part starts its read more than ``read_depth`` parts
+    ahead of the commits, so a run that ends early costs at most that many parts' reads
+    (and evictions). (Before: every part asked at once, bounded only by the threads at
+    once: parts 2-5 were asked before part 0 was committed.)"""
+    from asyncpin.tier import _FetchSink
+    from asyncpin.tier.remote import RemoteLink
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(redis_server.url, redis_keyspace, host_blocks=BLOCKS) as (
+            tier,
+            layout,
+        ):
+            link = tier.remote
+            assert link is not None and link.read_depth == 2
+            link.batch = 4
+            hashes = list(range(1500, 1524))
+            kept = await stored_and_forgotten(tier, layout, hashes)
+            commits: list[int] = []
+            ahead: list[int] = []  # at each part's read: its number minus the parts committed
+            read_part, commit = RemoteLink._read_part, _FetchSink.commit
+
+            async def recorded_read(self: RemoteLink, part: Any, *args: Any) -> int:
+                ahead.append(args[1] - len(commits))
+                return await read_part(self, part, *args)
+
+            def recorded_commit(sink: _FetchSink, k: int, part: Any, valid: int) -> bool:
+                commits.append(k)
+                return commit(sink, k, part, valid)
+
+            monkeypatch.setattr(RemoteLink, "_read_part", recorded_read)
+            monkeypatch.setattr(_FetchSink, "commit", recorded_commit)
+            assert await tier.restore(hashes, list(range(24))) == 24
+            assert same(layout, list(range(24)), kept)
+            assert len(ahead) == 6 and max(ahead) < link.read_depth, ahead
+
+
+@pytest.mark.redis
+async def test_a_hash_named_twice_in_a_run_ends_the_fetch_there(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """The run names one hash in part 0 and again in part 1, which is read first: the
+    fetch stops before the second copy, and the restore still finds the whole run (the
+    second copy is the first's block). (Before: part 1 took the hash's block, part 0's
+    copy went to a spare, and the run ended after one block.)"""
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(redis_server.url, redis_keyspace, host_blocks=BLOCKS) as (
+            tier,
+            layout,
+        ):
+            link = tier.remote
+            assert link is not None and isinstance(link.store, RedisStore)
+            link.batch = 4
+            await stored_and_forgotten(tier, layout, list(range(1400, 1407)))
+            keys = [1400, 1401, 1402, 1403, 1404, 1405, 1406, 1401]
+            _second_part_first(link.store, link.key_of(1400), link.key_of(1404))
+            assert await tier.restore(keys, list(range(8))) == 8
+            await nothing_held(tier)

@@ -409,7 +409,7 @@ async def test_a_long_restore_reads_in_bounded_pipelines(
                 for raw in layout.byte_arrays():
                     raw.zero_()
                 assert await tier.restore(hashes, list(range(30))) == 30
-                assert sizes == [16, 14]
+                assert sorted(sizes) == [14, 16]  # (a direct fetch reads both at once)
                 assert same(layout, list(range(30)), kept)
 
 

@@ -699,12 +699,18 @@ class KVTier:
                 return len(ready) == len(part) and self.index.stats().removed_blocks == removed
 
             try:
+                # The run: up to the next block the host has, or one it names twice (its
+                # parts are read at once: the later copy would take the block of the
+                # earlier), at most what the host can hold besides the hits.
                 end = n
+                seen: set[BlockHash] = set()
                 while (
                     end < len(keys)
                     and end - n < self.index.num_host_blocks - n
                     and keys[end] not in self.index
+                    and keys[end] not in seen
                 ):
+                    seen.add(keys[end])
                     end += 1
                 if remote.direct:  # read straight into host blocks
                     sink = _FetchSink(self, remote, held, removed)

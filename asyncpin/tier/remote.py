@@ -1237,6 +1237,7 @@ class RemoteLink:
         # application's busy pool never stalls them.
         self._limiter = anyio.CapacityLimiter(1)
         # A direct fetch's parts read at once, each on a connection of its own.
+        self.read_depth = read_depth
         self.read_limiter = anyio.CapacityLimiter(read_depth)
         self.copy_limiter = anyio.CapacityLimiter(1)  # fetched values into host blocks
         # Blocks queued and not yet written (or failed): ``idle`` waits for none.
@@ -1589,8 +1590,9 @@ class RemoteLink:
 
     async def fetch_direct(self, hashes: Sequence[int | bytes], sink: HostSink) -> int:
         """``fetch_into`` for a store that reads into memory (``readinto``): the hashes in
-        parts of ``batch`` blocks, up to ``read_depth`` parts read at once (each in a
-        worker thread on a connection of its own), each value's payload straight into
+        parts of ``batch`` blocks, up to ``read_depth`` parts read ahead of the commits
+        and at once (each in a worker thread on a connection of its own; the link's
+        fetches share ``read_depth`` threads), each value's payload straight into
         the host block ``sink.reserve`` gives once its header is right (no copy on the
         way), its checksum checked there. The parts are committed in order
         (``sink.commit`` makes the valid leading ones loadable): a miss, an invalid
@@ -1599,10 +1601,11 @@ class RemoteLink:
         freed; ``reserve`` gives them none once it is known, but one reserved before,
         for a value found after a gap in the run, may have evicted a block for
         nothing). A part read ahead takes no room the parts before it may still need
-        (``sink.room()``): where that is short, it is read again in its turn. Returns
-        the blocks committed valid. However the caller is cancelled (an anyio scope, or
-        asyncio's own), every read is over before its blocks are freed: a read stops
-        at its next socket wait."""
+        (``sink.room()``, as far as this fetch's parts go): where that is short, it is
+        read into spares and read again in its turn. Returns the blocks committed
+        valid. However the caller is cancelled (an anyio scope, or asyncio's own), every
+        read is over before its blocks are freed: a read stops at its next socket wait
+        (the parts it had asked for count as looked up and missed)."""
         parts = [hashes[lo : lo + self.batch] for lo in range(0, len(hashes), self.batch)]
         valid = [0] * len(parts)
         began = [False] * len(parts)  # set by the part's reading thread: asked of the server
@@ -1616,24 +1619,31 @@ class RemoteLink:
         stopped = False  # the run ended: what was read ahead is dropped, not counted
 
         def reserve(block_hash: int | bytes, k: int) -> memoryview | None:  # on the loop
+            if k in deferred:  # this read of part k goes to spares to its end
+                return None
             if k > committed and k not in admitted:
-                if k in deferred or sink.room() < sum(need[committed : k + 1]):
+                if sink.room() < sum(need[committed : k + 1]):
                     deferred.add(k)
                     return None
                 admitted.add(k)
             need[k] -= 1
             return sink.reserve(block_hash, k)
 
+        turn = [anyio.Event() for _ in parts]  # set once part k is committed
+
         async def read(k: int) -> None:
             try:
+                if k >= self.read_depth:  # at most read_depth parts ahead of the commits
+                    await turn[k - self.read_depth].wait()
                 valid[k] = await self._read_part(parts[k], reserve, k, began)
             finally:
                 done[k].set()
 
         try:
             async with anyio.create_task_group() as tg:
-                # Each part waits its turn for ``read_limiter`` (first come, first
-                # served: the parts are read in order, ``read_depth`` at a time).
+                # Part k is read once part k - read_depth is committed, when a token of
+                # ``read_limiter`` is free (first come, first served; the limiter is
+                # the link's, shared by the fetches under way).
                 for k in range(len(parts)):
                     tg.start_soon(read, k)
                 for k, part in enumerate(parts):
@@ -1644,6 +1654,7 @@ class RemoteLink:
                         valid[k] = await self._read_part(part, reserve, k, began)
                     committed = k + 1
                     go_on = sink.commit(k, part, valid[k])
+                    turn[k].set()
                     found += valid[k]
                     if valid[k] < len(part) or not go_on:
                         stopped = True
