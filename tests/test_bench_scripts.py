@@ -129,3 +129,24 @@ def test_startup_samples_what_it_is_asked_to(stacks: str, tmp_path: Path) -> Non
     if doc["stacks"] == "kernel":  # the sampler swept the threads while the run went on
         assert run_doc["kernel_sweeps"] > 0
     assert not list(tmp_path.glob("kstacks-*"))
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("kind", ["node", "cluster"])
+def test_llama_ttft_on_servers_of_its_own(kind: str, tmp_path: Path) -> None:
+    """``--own-servers``: the remote way runs against a server (or a cluster) started
+    for the run, every prefix block restored bit for bit, and the servers are gone after."""
+    import tempfile
+
+    from tests import redis_servers
+
+    if (reason := redis_servers.available()) is not None:
+        pytest.skip(reason)
+    out = tmp_path / "t.json"
+    done = run("llama_ttft", "--quick", "--own-servers", kind, "--json-out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["own_servers"].endswith(kind)
+    for row in doc["sizes"].values():
+        assert row["ttft_ms"]["remote"] > 0 and row["kv_bit_identical"]
+    assert not list(Path(tempfile.gettempdir()).glob("asyncpin-redis-ttft-*"))
