@@ -242,3 +242,37 @@ def test_options_of_the_cluster_client_alone_keep_a_cluster_copying() -> None:
     assert not store.direct_reads and not store.direct_writes
     with pytest.raises(ConfigError, match="require_full_coverage= is for redis-py's cluster"):
         RedisStore(url, cluster=True, require_full_coverage=True, direct_reads=True)
+
+
+@pytest.mark.redis
+async def test_a_cluster_node_taken_for_a_server_says_so(
+    redis_cluster: RedisCluster, redis_keyspace: str
+) -> None:
+    """A store made without ``cluster=True`` on a cluster's node: the keys that node does
+    not serve are refused with words that say what to do, on a write and on a read.
+    (Before: a read of such a key was a silent miss; a write failed with the server's
+    MOVED reply alone.)"""
+    from asyncpin.tier import RemoteError
+
+    keys = _keys_on_every_node(redis_cluster, redis_keyspace, each=2)
+    seed = redis_cluster.nodes[0]
+    mine = [k for k in keys if redis_cluster.node_for_slot(_slot(k)) is seed]
+    other = next(k for k in keys if k not in mine)
+    store = RedisStore(seed.url, timeout_s=5.0)
+    try:
+        value = memoryview(b"v" * 5000)
+        errors = await anyio.to_thread.run_sync(
+            lambda: store.writefrom([(k, (value,)) for k in keys])
+        )
+        for key, error in zip(keys, errors, strict=True):
+            if key in mine:
+                assert error is None
+            else:
+                assert error is not None and "cluster=True" in error
+                assert redis_cluster.node_for_slot(_slot(key)).command("GET", key) is None
+        got, _, _ = await anyio.to_thread.run_sync(lambda: _read(store, mine, [5000] * 2))
+        assert got == [5000, 5000]
+        with pytest.raises(RemoteError, match=r"a node of a cluster.*cluster=True"):
+            await anyio.to_thread.run_sync(lambda: _read(store, [other], [5000]))
+    finally:
+        await store.aclose()

@@ -397,15 +397,14 @@ class RedisStore:
                     got = wire.value_into(head, functools.partial(_body_of, into, i, head))
                     if isinstance(got, bytes) and _wrong_type(got):
                         sizes[i] = 0  # another type of data: an empty value, as get() says
-                    elif isinstance(got, bytes) and _redirected(got):
+                    elif isinstance(got, bytes) and _redirected(got) and self.cluster:
                         self._stale_slots = True  # a miss now; the slots asked again next
                     elif isinstance(got, bytes):
                         error = error or got
                     else:
                         sizes[i] = got
             if error is not None:
-                said = error.decode(errors="replace")
-                failure = RemoteError(f"GET on {self._where} failed: {self._redact(said)}")
+                failure = self._refused("GET", error)
         except Exception as exc:
             if self.cluster:  # a node down or failed over: the slots are asked again
                 self._stale_slots = True
@@ -471,6 +470,10 @@ class RedisStore:
                     errors_of=functools.partial(_set_at, errors, todo),
                 )
                 if not moved:
+                    break
+                if not self.cluster:  # not written: a node of a cluster, taken for a server
+                    for j, said in moved:
+                        errors[todo[j]] = str(self._refused("SET", said))
                     break
                 self._stale_slots = True
                 if attempt:  # sent away again: not written, and said so
@@ -646,6 +649,17 @@ class RedisStore:
     def closed(self) -> bool:
         """Whether :meth:`aclose` was called: a closed store reads and writes nothing."""
         return self._closed
+
+    def _refused(self, what: str, said: bytes) -> RemoteError:
+        """The server's error reply to a command as a RemoteError (a node of a cluster
+        that moves keys elsewhere, for a store made without ``cluster=True``, says so)."""
+        text = self._redact(said.decode(errors="replace"))
+        if _redirected(said) and not self.cluster:
+            return RemoteError(
+                f"{what} on {self._where} was sent to another node ({text}): the server is "
+                "a node of a cluster; make the store with RedisStore(url, cluster=True)"
+            )
+        return RemoteError(f"{what} on {self._where} failed: {text}")
 
     def _failure(self, what: str, exc: Exception) -> RemoteError:
         """A failure of the client as a RemoteError naming the server, never its
