@@ -93,13 +93,11 @@ def main() -> int:
         def by_store(mine: list[int]) -> None:
             for lo in range(0, len(mine), PIPELINE):
                 part = mine[lo : lo + PIPELINE]
-                store.readinto(
-                    [f"k{k}" for k in part],
-                    lambda i, size, head, part=part: dest[
-                        part[i] * SIZE + 64 : (part[i] + 1) * SIZE
-                    ],
-                    head_bytes=64,
-                )
+
+                def into(i: int, size: int, head: memoryview, part: list[int] = part) -> memoryview:
+                    return dest[part[i] * SIZE + 64 : (part[i] + 1) * SIZE]
+
+                store.readinto([f"k{k}" for k in part], into, head_bytes=64)
 
         ways: dict[str, Callable[[list[int]], None]] = {"socket": by_socket, "readinto": by_store}
         for conns in (1, 2, 4, 8):
