@@ -251,7 +251,8 @@ async def test_a_cluster_node_taken_for_a_server_says_so(
     """A store made without ``cluster=True`` on a cluster's node: the keys that node does
     not serve are refused with words that say what to do, on a write and on a read.
     (Before: a read of such a key was a silent miss; a write failed with the server's
-    MOVED reply alone.)"""
+    MOVED reply alone; then, a newcomer's trial found EXISTS and the copying paths
+    still said MovedError alone.)"""
     from asyncpin.tier import RemoteError
 
     keys = _keys_on_every_node(redis_cluster, redis_keyspace, each=2)
@@ -274,5 +275,9 @@ async def test_a_cluster_node_taken_for_a_server_says_so(
         assert got == [5000, 5000]
         with pytest.raises(RemoteError, match=r"a node of a cluster.*cluster=True"):
             await anyio.to_thread.run_sync(lambda: _read(store, [other], [5000]))
+        # Through redis-py's client too (EXISTS for lookup_remote; the copying paths).
+        for call in (store.exists, store.get):
+            with pytest.raises(RemoteError, match=r"a node of a cluster.*cluster=True"):
+                await call([other])
     finally:
         await store.aclose()

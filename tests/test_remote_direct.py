@@ -1072,23 +1072,27 @@ async def test_parts_are_read_no_further_ahead_than_read_depth(
 
 
 @pytest.mark.redis
-async def test_a_hash_named_twice_in_a_run_ends_the_fetch_there(
-    redis_server: RedisServer, redis_keyspace: str
+@pytest.mark.parametrize("direct_reads", [True, False])
+async def test_a_hash_named_twice_in_a_run_is_fetched_once(
+    direct_reads: bool, redis_server: RedisServer, redis_keyspace: str
 ) -> None:
-    """The run names one hash in part 0 and again in part 1, which is read first: the
-    fetch stops before the second copy, and the restore still finds the whole run (the
-    second copy is the first's block). (Before: part 1 took the hash's block, part 0's
-    copy went to a spare, and the run ended after one block.)"""
+    """The run names one hash twice in its first part and another in both parts (the
+    second part read first): each is fetched once, and the restore finds the whole run.
+    (Before: part 1 took the repeated hash's block, part 0's copy went to a spare, and
+    the run ended after one block; then, a first fix ended the run at any repeat, which
+    a newcomer's trial found: [A, A, B] restored 2.)"""
     with anyio.fail_after(TIMEOUT_S):
-        async with remote_tier(redis_server.url, redis_keyspace, host_blocks=BLOCKS) as (
-            tier,
-            layout,
-        ):
+        async with remote_tier(
+            redis_server.url, redis_keyspace, host_blocks=BLOCKS, direct_reads=direct_reads
+        ) as (tier, layout):
             link = tier.remote
             assert link is not None and isinstance(link.store, RedisStore)
             link.batch = 4
-            await stored_and_forgotten(tier, layout, list(range(1400, 1407)))
-            keys = [1400, 1401, 1402, 1403, 1404, 1405, 1406, 1401]
-            _second_part_first(link.store, link.key_of(1400), link.key_of(1404))
+            await stored_and_forgotten(tier, layout, list(range(1400, 1406)))
+            keys = [1400, 1400, 1401, 1402, 1403, 1404, 1405, 1401]
+            if direct_reads:
+                _second_part_first(link.store, link.key_of(1400), link.key_of(1404))
             assert await tier.restore(keys, list(range(8))) == 8
+            remote = tier.stats().remote
+            assert remote is not None and remote.fetched_blocks == 6
             await nothing_held(tier)

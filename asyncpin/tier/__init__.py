@@ -699,27 +699,26 @@ class KVTier:
                 return len(ready) == len(part) and self.index.stats().removed_blocks == removed
 
             try:
-                # The run: up to the next block the host has, or one it names twice (its
-                # parts are read at once: the later copy would take the block of the
-                # earlier), at most what the host can hold besides the hits.
+                # The run: up to the next block the host has, at most what it can hold
+                # besides the hits. A hash it names twice is fetched once (the parts are
+                # read at once: a later copy would take the earlier's block); the lookup
+                # after the fetch finds it in both places.
                 end = n
-                seen: set[BlockHash] = set()
                 while (
                     end < len(keys)
                     and end - n < self.index.num_host_blocks - n
                     and keys[end] not in self.index
-                    and keys[end] not in seen
                 ):
-                    seen.add(keys[end])
                     end += 1
+                run = list(dict.fromkeys(keys[n:end]))
                 if remote.direct:  # read straight into host blocks
                     sink = _FetchSink(self, remote, held, removed)
                     try:
-                        await remote.fetch_direct(keys[n:end], sink)
+                        await remote.fetch_direct(run, sink)
                     finally:
                         sink.close()
                 else:  # each part goes into host blocks while the next is read
-                    await remote.fetch_into(keys[n:end], into)
+                    await remote.fetch_into(run, into)
                 n = self.index.lookup(keys)
                 transfer = self.load(keys[:n], gpu[:n], method=method) if n else None
             finally:

@@ -663,8 +663,13 @@ class RedisStore:
 
     def _failure(self, what: str, exc: Exception) -> RemoteError:
         """A failure of the client as a RemoteError naming the server, never its
-        credentials."""
+        credentials (a redirect, for a store made without ``cluster=True``, says what
+        to do: see ``_refused``)."""
+        from redis.exceptions import AskError  # MovedError is one too
+
         said = f" ({self._redact(str(exc))})" if str(exc) else ""
+        if isinstance(exc, AskError) and not self.cluster:
+            return self._refused(what, f"MOVED{said}".encode())
         return RemoteError(f"{what} on {self._where} failed: {type(exc).__name__}{said}")
 
     def _new_connection(self, at: tuple[str, int] | None = None) -> Any:
