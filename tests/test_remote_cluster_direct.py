@@ -5,7 +5,10 @@ cluster; the slot moves are the cluster's own (SETSLOT, MIGRATE), undone after."
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -281,3 +284,54 @@ async def test_a_cluster_node_taken_for_a_server_says_so(
                 await call([other])
     finally:
         await store.aclose()
+
+
+# -- a hostile process's trial (each failed before its fix) ----------------------------------
+
+
+def test_a_slot_map_is_checked_before_any_work_it_asks_for() -> None:
+    """CLUSTER SLOTS from a server that is no cluster's node: an integer where a host
+    goes (before: ``bytes(n)`` made n zero bytes, 1 GB for 44 bytes of reply, the event
+    loop's thread held meanwhile), ranges naming more slots than a cluster has (before:
+    65,536 ranges of every slot, a billion assignments), a port that is no port: each a
+    ConnectionError, at once. A real reply, with a NULL endpoint, maps."""
+    from asyncpin.tier.remote import _slot_map
+
+    host = [b"127.0.0.1", 7000, b"id"]
+    for reply, words in [
+        ([[0, 16383, [10**12, 7000]]], "no name"),
+        ([[0, 16383, [b"h" * 300, 7000]]], "no name"),
+        ([[0, 16383, host]] * 2, "more slots"),
+        ([[0, 16383, [b"127.0.0.1", 70000]]], "no port"),
+        ([[0, 16383, [b"127.0.0.1", b"7000"]]], "no port"),
+        ([[b"0", 16383, host]], "another shape"),
+        ([[0, 16384, host]], "slots 0-16384"),
+        (b"OK", "no list"),
+    ]:
+        with pytest.raises(ConnectionError, match=words):
+            _slot_map(reply, "10.0.0.1")
+    slots = _slot_map([[0, 99, host], [100, 16383, [None, 7001]]], "10.0.0.1")
+    assert slots[0] == ("127.0.0.1", 7000) and slots[16383] == ("10.0.0.1", 7001)
+
+
+def test_a_reply_is_bounded_in_its_bytes_in_all() -> None:
+    """Many strings, each under the 1 MiB a string may have, past 8 MiB in all: an error
+    once the bound is crossed (before: 16,000 strings of 1 MiB would all be read and kept)."""
+    ours, theirs = socket.socketpair()
+    piece = b"$1048576\r\n" + b"x" * (1 << 20) + b"\r\n"
+
+    def send() -> None:
+        with contextlib.suppress(OSError):  # the reader gave up and closed its end
+            theirs.sendall(b"*16000\r\n" + piece * 12)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        ours.settimeout(_Wire.POLL_S)
+        wire = _Wire(ours, time.monotonic() + 30, lambda: None)  # (before: this, hit)
+        with pytest.raises(ConnectionError, match="a reply longer than"):
+            wire.reply()
+    finally:
+        ours.close()
+        sender.join()
+        theirs.close()

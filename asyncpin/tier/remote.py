@@ -571,19 +571,8 @@ class RedisStore:
                 with self._wire(deadline, check_cancelled, at) as (conn, wire):
                     wire.send(b"".join(conn.pack_commands([("CLUSTER", "SLOTS")])))
                     reply = wire.reply()
-                slots: list[tuple[str, int] | None] = [None] * _SLOTS
-                for entry in reply:
-                    first, last, primary = int(entry[0]), int(entry[1]), entry[2]
-                    if not 0 <= first <= last < _SLOTS:
-                        raise ConnectionError(f"CLUSTER SLOTS gave slots {first}-{last}")
-                    host = "" if primary[0] is None else bytes(primary[0]).decode()
-                    # No endpoint (NULL, empty, or '?': a hostname the node was not
-                    # given) is the asked node's own address.
-                    if host in ("", "?"):
-                        host = _host_port(self._blocking_args[0])[0] if at is None else at[0]
-                    if not _HOST.fullmatch(host):
-                        raise ConnectionError(f"CLUSTER SLOTS named a host {host[:60]!r}")
-                    slots[first : last + 1] = [(host, int(primary[1]))] * (last - first + 1)
+                asked = _host_port(self._blocking_args[0])[0] if at is None else at[0]
+                slots = _slot_map(reply, asked)
             except Exception as exc:  # a node down, or a reply of another shape
                 failure = failure or exc
                 continue
@@ -828,6 +817,7 @@ class _Wire:
         self._check = check_cancelled
         self._quiet_s = quiet_s
         self._buf = b""
+        self._reply_left = 0  # what the reply being parsed may still take (``reply``)
 
     def _go_on(self, since: float, quiet: str) -> None:
         """Raises if the caller is cancelled, past the deadline, or ``quiet_s`` after
@@ -922,16 +912,23 @@ class _Wire:
             return
         raise ConnectionError(f"not a RESP reply: {line[:40]!r}")
 
-    _MAX_REPLY_ITEMS = 1 << 16  # a parsed reply's bounds (CLUSTER SLOTS of many ranges)
+    _MAX_REPLY_ITEMS = _SLOTS  # a parsed reply's bounds (CLUSTER SLOTS: a range at most a slot)
+    _MAX_REPLY_BYTES = 8 << 20  # ... and its bytes in all (a large cluster's: about 2 MB)
 
     def reply(self, depth: int = 0) -> Any:
         """The next reply parsed: bytes, ints, None and lists (a RESP3 map flattened),
         for a small reply (CLUSTER SLOTS's); an error reply raises ConnectionError with
         its text. Bounded as a push is (nesting, bytes), with up to
-        ``_MAX_REPLY_ITEMS`` items an aggregate."""
+        ``_MAX_REPLY_ITEMS`` items an aggregate and ``_MAX_REPLY_BYTES`` in all."""
+        if depth == 0:
+            self._reply_left = self._MAX_REPLY_BYTES
         line = self._reply_line() if depth == 0 else self._line()
         kind, rest = line[:1], line[1:]
         count = int(rest) if rest.isdigit() else -1 if rest == b"-1" else None
+        body = count + 2 if kind == b"$" and count is not None and count >= 0 else 0
+        self._reply_left -= len(line) + 2 + body
+        if self._reply_left < 0:
+            raise ConnectionError(f"a reply longer than {self._MAX_REPLY_BYTES} bytes")
         if kind == b"-":
             raise ConnectionError(rest.decode(errors="replace"))
         if kind == b"+":
@@ -1872,6 +1869,44 @@ def _prepare_of(prepare: Callable[[int], None], todo: list[int], j: int) -> None
 
 def _set_at(errors: list[str | None], todo: list[int], j: int, said: str) -> None:
     errors[todo[j]] = said
+
+
+def _slot_map(reply: object, asked: str) -> list[tuple[str, int] | None]:
+    """CLUSTER SLOTS's reply as each slot's node (host, port), checked: ranges within the
+    16384 slots and no more of them than that (a reply that names a slot twice is no
+    cluster's), each node's host a name or address (NULL, empty or '?' is ``asked``,
+    the node asked: one with no endpoint it was given) and its port a port; anything
+    else is a ConnectionError, found before any work in proportion to it."""
+    if not isinstance(reply, list):
+        raise ConnectionError("CLUSTER SLOTS gave no list")
+    slots: list[tuple[str, int] | None] = [None] * _SLOTS
+    taken = 0
+    for entry in reply:
+        if not (
+            isinstance(entry, list)
+            and len(entry) >= 3
+            and all(type(v) is int for v in entry[:2])
+            and isinstance(entry[2], list)
+            and len(entry[2]) >= 2
+        ):
+            raise ConnectionError("CLUSTER SLOTS gave an entry of another shape")
+        first, last, (host_field, port, *_) = entry[0], entry[1], entry[2]
+        if not 0 <= first <= last < _SLOTS:
+            raise ConnectionError(f"CLUSTER SLOTS gave slots {first}-{last}")
+        taken += last - first + 1
+        if taken > _SLOTS:
+            raise ConnectionError("CLUSTER SLOTS gave more slots than a cluster has")
+        if not (host_field is None or (isinstance(host_field, bytes) and len(host_field) <= 253)):
+            raise ConnectionError("CLUSTER SLOTS gave a host that is no name")
+        if type(port) is not int or not 0 < port < 65536:
+            raise ConnectionError("CLUSTER SLOTS gave a port that is no port")
+        host = "" if host_field is None else host_field.decode(errors="replace")
+        if host in ("", "?"):
+            host = asked
+        if not _HOST.fullmatch(host):
+            raise ConnectionError(f"CLUSTER SLOTS named a host {host[:60]!r}")
+        slots[first : last + 1] = [(host, port)] * (last - first + 1)
+    return slots
 
 
 def _redirected(said: bytes) -> bool:
