@@ -1873,8 +1873,8 @@ def _set_at(errors: list[str | None], todo: list[int], j: int, said: str) -> Non
 
 def _slot_map(reply: object, asked: str) -> list[tuple[str, int] | None]:
     """CLUSTER SLOTS's reply as each slot's node (host, port), checked: ranges within the
-    16384 slots and no more of them than that (a reply that names a slot twice is no
-    cluster's), each node's host a name or address (NULL, empty or '?' is ``asked``,
+    16384 slots and, over all ranges, no more slots than that (a cluster names each
+    once), each node's host a name or address (NULL, empty or '?' is ``asked``,
     the node asked: one with no endpoint it was given) and its port a port; anything
     else is a ConnectionError, found before any work in proportion to it."""
     if not isinstance(reply, list):
