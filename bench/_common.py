@@ -8,17 +8,20 @@ import a private name of asyncpin.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import logging
 import os
 import platform
 import re
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -280,3 +283,20 @@ def still_registered(addresses: Sequence[int]) -> int:
         lib.cudaGetLastError()
         count += code == 0 and attrs.type != 0  # 0: cudaMemoryTypeUnregistered
     return count
+
+
+@contextlib.contextmanager
+def own_servers(kind: str, prefix: str) -> Iterator[Any]:
+    """A redis-server (``kind`` "node") or three as a cluster ("cluster") on free
+    loopback ports (tests/redis_servers.py; ``ASYNCPIN_TEST_SERVER=valkey`` for Valkey),
+    in a temporary directory named from ``prefix``: started, yielded, stopped, removed."""
+    from tests.redis_servers import RedisCluster, RedisServer
+
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    servers = RedisCluster(root / "cluster") if kind == "cluster" else RedisServer(root / "single")
+    try:
+        servers.start()
+        yield servers
+    finally:
+        servers.stop()
+        shutil.rmtree(root, ignore_errors=True)

@@ -50,7 +50,16 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from asyncpin import KVLayout, OffloadManager
 from asyncpin.tier import KVTier
-from bench._common import format_bytes, machine, median, parser, quiet_logs, require_gpu, write_json
+from bench._common import (
+    format_bytes,
+    machine,
+    median,
+    own_servers,
+    parser,
+    quiet_logs,
+    require_gpu,
+    write_json,
+)
 from examples.llama_prefix import (
     PrefixEngine,
     Served,
@@ -357,23 +366,13 @@ def main() -> None:
 
 def _on_own_servers(args: Any, device: torch.device) -> dict[str, Any]:
     """``bench`` with ``--redis-url`` a server (or a three-node cluster) of our own."""
-    import shutil
-    import tempfile
+    from tests.redis_servers import SERVER
 
-    from tests.redis_servers import SERVER, RedisCluster, RedisServer
-
-    root = Path(tempfile.mkdtemp(prefix="asyncpin-redis-ttft-"))
-    cluster = args.own_servers == "cluster"
-    servers = RedisCluster(root / "cluster") if cluster else RedisServer(root / "single")
-    try:
-        servers.start()
-        args.redis_url, args.redis_cluster = servers.url, cluster
+    with own_servers(args.own_servers, "asyncpin-redis-ttft-") as servers:
+        args.redis_url, args.redis_cluster = servers.url, args.own_servers == "cluster"
         doc: dict[str, Any] = anyio.run(bench, args, device)
         doc["own_servers"] = f"{SERVER}, {args.own_servers}"
         return doc
-    finally:
-        servers.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -41,9 +41,7 @@ alongside. Lag: a 1 ms heartbeat task's overshoot through each phase (target: wo
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -60,7 +58,17 @@ from asyncpin import KVLayout, OffloadManager
 from asyncpin.errors import PreflightError
 from asyncpin.testing import FakeBackend
 from asyncpin.tier import KVTier, RedisStore
-from bench._common import GB, Heartbeat, MiB, machine, median, parser, quiet_logs, write_json
+from bench._common import (
+    GB,
+    Heartbeat,
+    MiB,
+    machine,
+    median,
+    own_servers,
+    parser,
+    quiet_logs,
+    write_json,
+)
 
 LAYERS, TOKENS, HEADS, HEAD_DIM = 32, 16, 8, 128
 BATCH = 16  # the tier's write batch (RemoteLink's default), the peer's SET pipeline
@@ -331,14 +339,9 @@ async def _unlink(peer: Any, namespace: str) -> None:
 
 def with_servers(kind: str, run: Callable[[str, Sequence[int]], dict[str, Any]]) -> dict[str, Any]:
     """Start a single node or a three-node cluster on free loopback ports, run, stop."""
-    from tests.redis_servers import RedisCluster, RedisServer
+    from tests.redis_servers import RedisCluster
 
-    root = Path(tempfile.mkdtemp(prefix=f"asyncpin-redis-{os.getpid()}-bench-"))
-    servers: RedisServer | RedisCluster = (
-        RedisCluster(root / "cluster") if kind == "cluster" else RedisServer(root / "single")
-    )
-    try:
-        servers.start()
+    with own_servers(kind, f"asyncpin-redis-{os.getpid()}-bench-") as servers:
         nodes = servers.nodes if isinstance(servers, RedisCluster) else [servers]
         load_before = os.getloadavg()
         doc = run(servers.url, [node.pid for node in nodes])
@@ -347,9 +350,6 @@ def with_servers(kind: str, run: Callable[[str, Sequence[int]], dict[str, Any]])
         assert isinstance(info, bytes)
         doc["server"], doc["server_version"] = _server_of(info.decode())
         return doc
-    finally:
-        servers.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 FIGURES = [

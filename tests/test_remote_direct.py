@@ -13,7 +13,8 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from typing import Any, cast
 
 import anyio
@@ -21,9 +22,10 @@ import anyio.from_thread
 import anyio.to_thread
 import pytest
 
+from asyncpin import KVLayout
 from asyncpin.testing import FakeBackend
 from asyncpin.tier import KVTier, RedisStore, RemoteError
-from asyncpin.tier.remote import HEADER_BYTES, _Wire
+from asyncpin.tier.remote import HEADER_BYTES, RemoteLink, _Wire
 from tests.helpers import wait_thread_event
 from tests.redis_servers import RedisServer
 from tests.test_remote_tier import (
@@ -794,12 +796,24 @@ async def test_a_redis_tier_on_trio_is_refused(anyio_backend: str) -> None:
 # -- parts read at once (``read_depth``) -----------------------------------------------------
 
 
-def _second_part_first(store: RedisStore, first_key: str, second_key: str) -> threading.Event:
+@asynccontextmanager
+async def _in_parts_of_4(
+    url: str, keyspace: str, **kwargs: Any
+) -> AsyncIterator[tuple[KVTier, KVLayout, RemoteLink]]:
+    """``remote_tier`` (a host of ``BLOCKS``) whose fetches read parts of 4 blocks."""
+    async with remote_tier(url, keyspace, host_blocks=BLOCKS, **kwargs) as (tier, layout):
+        link = tier.remote
+        assert link is not None and isinstance(link.store, RedisStore)
+        link.batch = 4
+        yield tier, layout, link
+
+
+def _second_part_first(store: Any, first_key: str, second_key: str) -> threading.Event:
     """``store.readinto`` made to read the part starting at ``second_key`` before the one
     starting at ``first_key`` is read (the first waits for it, 5 s at most): returns the
     event set once the second part's read is over, which is set in time only if the
     two parts are read at once."""
-    real = store.readinto
+    real: Callable[..., list[int | None]] = store.readinto
     second_read = threading.Event()
 
     def ordered(keys: Any, into: Any, **kwargs: Any) -> list[int | None]:
@@ -811,7 +825,7 @@ def _second_part_first(store: RedisStore, first_key: str, second_key: str) -> th
             if keys[0] == second_key:
                 second_read.set()
 
-    store.readinto = ordered  # type: ignore[method-assign]
+    store.readinto = ordered
     return second_read
 
 
@@ -824,13 +838,7 @@ async def test_parts_are_read_at_once_and_committed_in_order(
     byte right, on two connections. (Before: one part at a time, the first part's read
     waited for a second part that was never read alongside it.)"""
     with anyio.fail_after(TIMEOUT_S):
-        async with remote_tier(redis_server.url, redis_keyspace, host_blocks=BLOCKS) as (
-            tier,
-            layout,
-        ):
-            link = tier.remote
-            assert link is not None and isinstance(link.store, RedisStore)
-            link.batch = 4
+        async with _in_parts_of_4(redis_server.url, redis_keyspace) as (tier, layout, link):
             hashes = list(range(1200, 1216))
             kept = await stored_and_forgotten(tier, layout, hashes)
             second_read = _second_part_first(
@@ -842,7 +850,7 @@ async def test_parts_are_read_at_once_and_committed_in_order(
             remote = tier.stats().remote
             assert remote is not None
             assert (remote.lookups, remote.hit_blocks, remote.missed_blocks) == (16, 16, 0)
-            assert len(link.store._idle) == 2  # each read had a connection of its own
+            assert len(cast(RedisStore, link.store)._idle) == 2  # a connection each read
             await nothing_held(tier)
 
 
@@ -855,13 +863,7 @@ async def test_a_part_read_ahead_of_the_runs_end_is_dropped(
     before the fault; the second part's blocks are freed, not indexed, and not counted
     as looked up."""
     with anyio.fail_after(TIMEOUT_S):
-        async with remote_tier(redis_server.url, redis_keyspace, host_blocks=BLOCKS) as (
-            tier,
-            layout,
-        ):
-            link = tier.remote
-            assert link is not None and isinstance(link.store, RedisStore)
-            link.batch = 4
+        async with _in_parts_of_4(redis_server.url, redis_keyspace) as (tier, layout, link):
             hashes = list(range(1300, 1316))
             kept = await stored_and_forgotten(tier, layout, hashes)
             key = link.key_of(hashes[1])
@@ -1043,13 +1045,8 @@ async def test_parts_are_read_no_further_ahead_than_read_depth(
     from asyncpin.tier.remote import RemoteLink
 
     with anyio.fail_after(TIMEOUT_S):
-        async with remote_tier(redis_server.url, redis_keyspace, host_blocks=BLOCKS) as (
-            tier,
-            layout,
-        ):
-            link = tier.remote
-            assert link is not None and link.read_depth == 2
-            link.batch = 4
+        async with _in_parts_of_4(redis_server.url, redis_keyspace) as (tier, layout, link):
+            assert link.read_depth == 2
             hashes = list(range(1500, 1524))
             kept = await stored_and_forgotten(tier, layout, hashes)
             commits: list[int] = []
@@ -1082,12 +1079,11 @@ async def test_a_hash_named_twice_in_a_run_is_fetched_once(
     the run ended after one block; then, a first fix ended the run at any repeat, which
     a newcomer's trial found: [A, A, B] restored 2.)"""
     with anyio.fail_after(TIMEOUT_S):
-        async with remote_tier(
-            redis_server.url, redis_keyspace, host_blocks=BLOCKS, direct_reads=direct_reads
-        ) as (tier, layout):
-            link = tier.remote
-            assert link is not None and isinstance(link.store, RedisStore)
-            link.batch = 4
+        async with _in_parts_of_4(redis_server.url, redis_keyspace, direct_reads=direct_reads) as (
+            tier,
+            layout,
+            link,
+        ):
             await stored_and_forgotten(tier, layout, list(range(1400, 1406)))
             keys = [1400, 1400, 1401, 1402, 1403, 1404, 1405, 1401]
             if direct_reads:

@@ -249,7 +249,7 @@ class _FetchSink:
     """Where a restore's direct fetch reads (a ``HostSink``): a host block reserved in the
     index for each value as it arrives, then, per part, the valid ones made loadable and
     kept from eviction (in ``held``, until the restore's load is over) and the rest
-    freed; once a part's commit ends the run, the parts after it get no block."""
+    freed."""
 
     def __init__(
         self,
@@ -265,13 +265,10 @@ class _FetchSink:
         self._removed = removed  # the index's removals when the run was found
         # Reserved, by part, in order.
         self._parts: dict[int, list[tuple[BlockHash, StorePlan]]] = {}
-        self._last: int | None = None  # the part whose commit ended the run
 
     def reserve(self, block_hash: BlockHash, k: int) -> memoryview | None:
         if self._rows is None:
             raise RuntimeError("the restore this fetch was for is over")
-        if self._last is not None and k > self._last:  # read ahead of the run's end
-            return None
         plan = self._index.begin_store([block_hash])
         if not plan.hashes:  # on the host, being stored by another, or no room
             self._index.end_store(plan, ok=False)
@@ -301,10 +298,7 @@ class _FetchSink:
                 break
             ready.append(h)
         self._held.append((ready, self._index.begin_load(ready, touch=False)))
-        go_on = len(ready) == len(part) and self._index.stats().removed_blocks == self._removed
-        if not go_on and self._last is None:
-            self._last = k
-        return go_on
+        return len(ready) == len(part) and self._index.stats().removed_blocks == self._removed
 
 
 class KVTier:

@@ -644,21 +644,24 @@ class RedisStore:
         that moves keys elsewhere, for a store made without ``cluster=True``, says so)."""
         text = self._redact(said.decode(errors="replace"))
         if _redirected(said) and not self.cluster:
-            return RemoteError(
-                f"{what} on {self._where} was sent to another node ({text}): the server is "
-                "a node of a cluster; make the store with RedisStore(url, cluster=True)"
-            )
+            return self._not_a_cluster(what, text)
         return RemoteError(f"{what} on {self._where} failed: {text}")
+
+    def _not_a_cluster(self, what: str, text: str) -> RemoteError:
+        return RemoteError(
+            f"{what} on {self._where} was sent to another node ({text}): the server is "
+            "a node of a cluster; make the store with RedisStore(url, cluster=True)"
+        )
 
     def _failure(self, what: str, exc: Exception) -> RemoteError:
         """A failure of the client as a RemoteError naming the server, never its
         credentials (a redirect, for a store made without ``cluster=True``, says what
-        to do: see ``_refused``)."""
+        to do, as ``_refused``)."""
         from redis.exceptions import AskError  # MovedError is one too
 
         said = f" ({self._redact(str(exc))})" if str(exc) else ""
         if isinstance(exc, AskError) and not self.cluster:
-            return self._refused(what, f"MOVED{said}".encode())
+            return self._not_a_cluster(what, f"{type(exc).__name__}{said}")
         return RemoteError(f"{what} on {self._where} failed: {type(exc).__name__}{said}")
 
     def _new_connection(self, at: tuple[str, int] | None = None) -> Any:
@@ -1174,8 +1177,8 @@ class HostSink(Protocol):
     def reserve(self, block_hash: int | bytes, k: int) -> memoryview | None:
         """A host block's memory for ``block_hash``'s payload (of part ``k``), reserved
         (not loadable), or None: it needs none (on the host already, or being stored by
-        another), there is no room (``commit`` tells which), or a part before ``k`` ended
-        the run (its commit said stop). Called on the event loop."""
+        another) or there is no room (``commit`` tells which). Called on the event loop
+        (never once a commit said stop)."""
         ...
 
     def room(self) -> int:
@@ -1635,7 +1638,7 @@ class RemoteLink:
         stopped = False  # the run ended: what was read ahead is dropped, not counted
 
         def reserve(block_hash: int | bytes, k: int) -> memoryview | None:  # on the loop
-            if k in deferred:  # this read of part k goes to spares to its end
+            if stopped or k in deferred:  # past the run's end, or read again in its turn
                 return None
             if k > committed and k not in admitted:
                 if sink.room() < sum(need[committed : k + 1]):
