@@ -286,14 +286,20 @@ def still_registered(addresses: Sequence[int]) -> int:
 
 
 @contextlib.contextmanager
-def own_servers(kind: str, prefix: str) -> Iterator[Any]:
-    """A redis-server (``kind`` "node") or three as a cluster ("cluster") on free
+def own_servers(kind: str, prefix: str, nodes: int = 3) -> Iterator[Any]:
+    """A redis-server (``kind`` "node") or ``nodes`` as a cluster ("cluster") on free
     loopback ports (tests/redis_servers.py; ``ASYNCPIN_TEST_SERVER=valkey`` for Valkey),
     in a temporary directory named from ``prefix``: started, yielded, stopped, removed."""
     from tests.redis_servers import RedisCluster, RedisServer
 
+    if kind == "cluster" and nodes < 3:
+        raise SystemExit(f"a cluster needs 3 nodes or more, not {nodes}")
     root = Path(tempfile.mkdtemp(prefix=prefix))
-    servers = RedisCluster(root / "cluster") if kind == "cluster" else RedisServer(root / "single")
+    servers = (
+        RedisCluster(root / "cluster", size=nodes)
+        if kind == "cluster"
+        else RedisServer(root / "single")
+    )
     try:
         servers.start()
         yield servers

@@ -17,10 +17,10 @@ device idle to the first greedy token on the host, CUDA-synchronised), median of
 - ``host_whole``: the same with one load of every layer (layer 0 waits for all of it);
 - ``kept``: the prefix never left the GPU: gather the pool blocks, prefill the suffix;
 - ``remote`` (with ``--redis-url``, a cluster's seed node with ``--redis-cluster``, or
-  ``--own-servers node|cluster``: a redis-server, or three as a cluster, started on
-  loopback for the run by tests/redis_servers.py, ``ASYNCPIN_TEST_SERVER=valkey`` for
-  Valkey): the host tier cleared (untimed), then ``tier.lookup_remote`` and
-  ``tier.restore`` bring the prefix back from that server.
+  ``--own-servers node|cluster``: a redis-server, or three as a cluster (``--cluster-nodes``
+  for more), started on loopback for the run by tests/redis_servers.py,
+  ``ASYNCPIN_TEST_SERVER=valkey`` for Valkey): the host tier cleared (untimed), then
+  ``tier.lookup_remote`` and ``tier.restore`` bring the prefix back from that server.
 
 The check: each way generates ``--new-tokens`` greedy tokens once, the kept way twice. Every
 hit way must restore every prefix block bit for bit and its forward must read the prefix
@@ -344,6 +344,7 @@ def main() -> None:
         default=None,
         help="the remote way on servers of our own, started for the run",
     )
+    p.add_argument("--cluster-nodes", type=int, default=3, help="--own-servers cluster's (3)")
     args = p.parse_args()
     if args.quick:
         args.config = args.config or "tiny"
@@ -365,13 +366,16 @@ def main() -> None:
 
 
 def _on_own_servers(args: Any, device: torch.device) -> dict[str, Any]:
-    """``bench`` with ``--redis-url`` a server (or a three-node cluster) of our own."""
+    """``bench`` with ``--redis-url`` a server (or a cluster) of our own."""
     from tests.redis_servers import SERVER
 
-    with own_servers(args.own_servers, "asyncpin-redis-ttft-") as servers:
+    with own_servers(args.own_servers, "asyncpin-redis-ttft-", args.cluster_nodes) as servers:
         args.redis_url, args.redis_cluster = servers.url, args.own_servers == "cluster"
         doc: dict[str, Any] = anyio.run(bench, args, device)
-        doc["own_servers"] = f"{SERVER}, {args.own_servers}"
+        kind = args.own_servers
+        if kind == "cluster":
+            kind = f"cluster of {args.cluster_nodes}"
+        doc["own_servers"] = f"{SERVER}, {kind}"
         return doc
 
 

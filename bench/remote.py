@@ -9,7 +9,8 @@ the same run; the process's CPU time per GB moved; the event loop's lag while it
 No GPU: the KV layout is Llama-3.1-8B's on CPU tensors (32 layers of K and V, blocks of
 16 tokens x 8 heads x 128 bf16: 64 arrays of 32 KiB, a 2 MiB host block), moved by the
 host engine. Without ``--url`` the script starts its own servers on free loopback ports (a
-single node, then a three-node cluster, with ``tests/redis_servers.py``) and stops them:
+single node, then a three-node cluster (``--cluster-nodes`` for more), with
+``tests/redis_servers.py``) and stops them:
 ``redis-server``, or ``valkey-server`` with ``ASYNCPIN_TEST_SERVER=valkey``.
 
 Each round, after a warm-up round that is not counted:
@@ -337,16 +338,18 @@ async def _unlink(peer: Any, namespace: str) -> None:
         await pipe.execute()
 
 
-def with_servers(kind: str, run: Callable[[str, Sequence[int]], dict[str, Any]]) -> dict[str, Any]:
-    """Start a single node or a three-node cluster on free loopback ports, run, stop."""
+def with_servers(
+    kind: str, run: Callable[[str, Sequence[int]], dict[str, Any]], nodes: int = 3
+) -> dict[str, Any]:
+    """Start a single node or a cluster of ``nodes`` on free loopback ports, run, stop."""
     from tests.redis_servers import RedisCluster
 
-    with own_servers(kind, f"asyncpin-redis-{os.getpid()}-bench-") as servers:
-        nodes = servers.nodes if isinstance(servers, RedisCluster) else [servers]
+    with own_servers(kind, f"asyncpin-redis-{os.getpid()}-bench-", nodes) as servers:
+        started = servers.nodes if isinstance(servers, RedisCluster) else [servers]
         load_before = os.getloadavg()
-        doc = run(servers.url, [node.pid for node in nodes])
+        doc = run(servers.url, [node.pid for node in started])
         doc["loadavg_before_after"] = [load_before, os.getloadavg()]
-        info = nodes[0].command("INFO", "server")
+        info = started[0].command("INFO", "server")
         assert isinstance(info, bytes)
         doc["server"], doc["server_version"] = _server_of(info.decode())
         return doc
@@ -397,6 +400,7 @@ def main() -> int:
     )
     p.add_argument("--backend", choices=("auto", "host", "fake"), default="auto")
     p.add_argument("--kind", action="append", choices=("node", "cluster"), help="own servers")
+    p.add_argument("--cluster-nodes", type=int, default=3, help="own cluster's nodes (3)")
     p.add_argument(
         "--copied-reads",
         action="store_true",
@@ -467,7 +471,9 @@ def main() -> int:
             sys.exit(f"remote.py: {missing} (or pass --url)")
         for kind in args.kind or ["node", "cluster"]:
             print(f"{kind}:", file=sys.stderr)
-            results[kind] = with_servers(kind, run(kind == "cluster"))
+            results[kind] = with_servers(kind, run(kind == "cluster"), args.cluster_nodes)
+            if kind == "cluster":
+                results[kind]["cluster_nodes"] = args.cluster_nodes
     doc = {
         "copied_reads": args.copied_reads,
         "copied_writes": args.copied_writes,

@@ -134,8 +134,9 @@ def test_startup_samples_what_it_is_asked_to(stacks: str, tmp_path: Path) -> Non
 @pytest.mark.redis
 @pytest.mark.parametrize("kind", ["node", "cluster"])
 def test_llama_ttft_on_servers_of_its_own(kind: str, tmp_path: Path) -> None:
-    """``--own-servers``: the remote way runs against a server (or a cluster) started
-    for the run, every prefix block restored bit for bit, and the servers are gone after."""
+    """``--own-servers``: the remote way runs against a server (or a cluster of
+    ``--cluster-nodes``) started for the run, every prefix block restored bit for bit,
+    and the servers are gone after."""
     import tempfile
 
     from tests import redis_servers
@@ -143,10 +144,13 @@ def test_llama_ttft_on_servers_of_its_own(kind: str, tmp_path: Path) -> None:
     if (reason := redis_servers.available()) is not None:
         pytest.skip(reason)
     out = tmp_path / "t.json"
-    done = run("llama_ttft", "--quick", "--own-servers", kind, "--json-out", str(out), cwd=tmp_path)
+    more = ["--cluster-nodes", "4"] if kind == "cluster" else []
+    done = run(
+        "llama_ttft", "--quick", "--own-servers", kind, *more, "--json-out", str(out), cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["own_servers"].endswith(kind)
+    assert doc["own_servers"].endswith("cluster of 4" if more else "node"), doc["own_servers"]
     for row in doc["sizes"].values():
         assert row["ttft_ms"]["remote"] > 0 and row["kv_bit_identical"]
     assert not list(Path(tempfile.gettempdir()).glob("asyncpin-redis-ttft-*"))

@@ -933,13 +933,13 @@ async def test_a_part_read_ahead_takes_no_room_an_earlier_part_needs(
             await nothing_held(tier)
 
 
-@pytest.mark.parametrize("depth", [0, -1, True, 1.5, "2"])
+@pytest.mark.parametrize("depth", [0, -1, True, 1.5, "2", 65])
 def test_a_read_depth_that_is_not_a_count_is_refused(depth: Any) -> None:
     from asyncpin.errors import ConfigError
     from asyncpin.tier.remote import RemoteLink
 
     store = RedisStore("redis://127.0.0.1:1", direct_reads=False)
-    with pytest.raises(ConfigError, match="read_depth"):
+    with pytest.raises(ConfigError, match="remote_read_depth must be"):
         RemoteLink(
             store,
             print_=b"p" * 8,
@@ -948,6 +948,40 @@ def test_a_read_depth_that_is_not_a_count_is_refused(depth: Any) -> None:
             queue_blocks=4,
             read_depth=depth,
         )
+
+
+async def test_the_tier_reads_four_parts_at_once_from_a_cluster_two_from_a_server() -> None:
+    """``KVTier(remote_read_depth=)``: None picks by the store (a cluster's parts spread
+    over its nodes, bench/RESULTS.md#remote); a count is taken as given; anything else,
+    or one with no remote store, is refused and no tier is made."""
+    from asyncpin import OffloadManager
+    from asyncpin.errors import ConfigError
+
+    layout = make_layout()
+    async with OffloadManager.for_kv(layout, 4, backend=FakeBackend()) as mgr:
+        node = RedisStore("redis://127.0.0.1:1/0")
+        cluster = RedisStore("redis://127.0.0.1:1", cluster=True)
+        try:
+            depths = {
+                "node": KVTier(mgr, remote=node).remote,
+                "cluster": KVTier(mgr, remote=cluster).remote,
+                "given": KVTier(mgr, remote=cluster, remote_read_depth=7).remote,
+                "one": KVTier(mgr, remote=node, remote_read_depth=1).remote,
+            }
+            assert {k: v and v.read_depth for k, v in depths.items()} == {
+                "node": 2,
+                "cluster": 4,
+                "given": 7,
+                "one": 1,
+            }
+            for bad in (0, 65, True, 2.0, "4"):
+                with pytest.raises(ConfigError, match="remote_read_depth must be"):
+                    KVTier(mgr, remote=node, remote_read_depth=bad)  # type: ignore[arg-type]
+            with pytest.raises(ConfigError, match="give remote= too"):
+                KVTier(mgr, remote_read_depth=2)
+        finally:
+            await node.aclose()
+            await cluster.aclose()
 
 
 # -- review findings of the parts read at once (each failed before its fix) ------------------
@@ -1034,19 +1068,28 @@ async def test_a_deferred_parts_first_read_makes_no_block_loadable(
 
 
 @pytest.mark.redis
+@pytest.mark.parametrize("depth", [None, 1, 3])
 async def test_parts_are_read_no_further_ahead_than_read_depth(
-    redis_server: RedisServer, redis_keyspace: str, monkeypatch: pytest.MonkeyPatch
+    depth: int | None,
+    redis_server: RedisServer,
+    redis_keyspace: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Six parts, part 0 slow: no part starts its read more than ``read_depth`` parts
-    ahead of the commits, so a run that ends early costs at most that many parts' reads
-    (and evictions). (Before: every part asked at once, bounded only by the threads at
-    once: parts 2-5 were asked before part 0 was committed.)"""
+    """Six parts: no part starts its read more than ``read_depth`` parts ahead of the
+    commits, so a run that ends early costs at most that many parts' reads
+    (and evictions); the tier's ``remote_read_depth`` sets it (a server's default: 2).
+    (Before: every part asked at once, bounded only by the threads at once: parts 2-5
+    were asked before part 0 was committed.)"""
     from asyncpin.tier import _FetchSink
     from asyncpin.tier.remote import RemoteLink
 
     with anyio.fail_after(TIMEOUT_S):
-        async with _in_parts_of_4(redis_server.url, redis_keyspace) as (tier, layout, link):
-            assert link.read_depth == 2
+        async with _in_parts_of_4(redis_server.url, redis_keyspace, remote_read_depth=depth) as (
+            tier,
+            layout,
+            link,
+        ):
+            assert link.read_depth == (depth or 2)
             hashes = list(range(1500, 1524))
             kept = await stored_and_forgotten(tier, layout, hashes)
             commits: list[int] = []
@@ -1066,6 +1109,8 @@ async def test_parts_are_read_no_further_ahead_than_read_depth(
             assert await tier.restore(hashes, list(range(24))) == 24
             assert same(layout, list(range(24)), kept)
             assert len(ahead) == 6 and max(ahead) < link.read_depth, ahead
+            if link.read_depth > 1:  # the parts after part 0 began before its commit
+                assert max(ahead) > 0, ahead
 
 
 @pytest.mark.redis

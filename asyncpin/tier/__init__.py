@@ -315,8 +315,11 @@ class KVTier:
     shardings never read these blocks. ``remote_secret`` (16 to 64 bytes, shared by the
     servers that share the store) seals every value with a keyed BLAKE2b instead of an
     XXH3 checksum: then only values sealed with it are data, so a writer to the store
-    without the secret cannot plant blocks. Leaving the tier gives pending writes
-    ``flush_timeout_s``, drops the rest (counted) and closes the store."""
+    without the secret cannot plant blocks. ``remote_read_depth``: the parts of a
+    restore's fetch (16 blocks each) read at once, each on a connection and in a worker
+    thread of its own (None: 4 from a cluster, 2 from one server; at most 64). Leaving
+    the tier gives pending writes ``flush_timeout_s``, drops the rest (counted) and
+    closes the store."""
 
     def __init__(
         self,
@@ -329,6 +332,7 @@ class KVTier:
         remote_queue: int = 256,
         flush_timeout_s: float = 2.0,
         remote_secret: bytes | None = None,
+        remote_read_depth: int | None = None,
     ) -> None:
         layout = manager.kv_layout
         if layout is None:
@@ -341,6 +345,8 @@ class KVTier:
         self.remote: RemoteLink | None = None
         if remote is None and remote_secret is not None:
             raise ConfigError("remote_secret seals a remote store's values: give remote= too")
+        if remote is None and remote_read_depth is not None:
+            raise ConfigError("remote_read_depth is a remote store's reads: give remote= too")
         if remote is not None:
             if not isinstance(model, str):
                 raise ConfigError(f"model is a str naming the model, not {model!r}")
@@ -357,6 +363,7 @@ class KVTier:
                 host_block_bytes=layout.host_block_bytes,
                 queue_blocks=remote_queue,
                 secret=remote_secret,
+                read_depth=remote_read_depth,
             )
         self._flush_timeout_s = float(flush_timeout_s)
         self._tasks: anyio.abc.TaskGroup | None = None

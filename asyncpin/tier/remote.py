@@ -93,8 +93,12 @@ VERSION = 2
 # 8 reserved: 64 bytes
 _HEADER = struct.Struct("<4sB3xQQ16s16s8x")
 HEADER_BYTES = _HEADER.size  # 64
-# Parts of a direct fetch read at once (bench/RESULTS.md#remote).
+# Parts of a direct fetch read at once (bench/RESULTS.md#remote): from one server, two
+# (a server's one socket moves ~2 GB/s however many read it); from a cluster, four (the
+# parts' keys spread over the nodes, several nodes send at once).
 READ_DEPTH = 2
+CLUSTER_READ_DEPTH = 4
+MAX_READ_DEPTH = 64
 
 
 class RemoteError(AsyncpinError, RuntimeError):
@@ -1213,18 +1217,24 @@ class RemoteLink:
         batch_blocks: int = 16,
         write_batch_blocks: int | None = None,
         secret: bytes | None = None,
-        read_depth: int = READ_DEPTH,
+        read_depth: int | None = None,
     ) -> None:
         if not isinstance(store, RemoteStore):
             raise ConfigError(f"remote must be a RemoteStore (RedisStore, say), not {store!r}")
-        for what, value in (
-            ("remote_queue", queue_blocks),
-            ("batch", batch_blocks),
-            ("write_batch", 1 if write_batch_blocks is None else write_batch_blocks),
-            ("read_depth", read_depth),
+        if read_depth is None:
+            read_depth = (
+                CLUSTER_READ_DEPTH if getattr(store, "cluster", False) is True else READ_DEPTH
+            )
+        for what, value, most in (
+            ("remote_queue", queue_blocks, None),
+            ("batch", batch_blocks, None),
+            ("write_batch", 1 if write_batch_blocks is None else write_batch_blocks, None),
+            ("remote_read_depth", read_depth, MAX_READ_DEPTH),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{what} must be an int >= 1, got {value!r}")
+            if most is not None and value > most:
+                raise ConfigError(f"{what} must be at most {most}, got {value!r}")
         if not isinstance(namespace, str) or not namespace:
             raise ConfigError(f"namespace must be a non-empty str, got {namespace!r}")
         _xxh3()  # the values' checksum: its library now, not at the first write
