@@ -1114,59 +1114,6 @@ async def test_parts_are_read_no_further_ahead_than_read_depth(
 
 
 @pytest.mark.redis
-async def test_a_part_waits_for_the_loop_once_not_for_each_value(
-    redis_server: RedisServer, redis_keyspace: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Each value's block is asked of the event loop while the value before it is read:
-    a part's reading thread waits for the loop's reservation once, for its first value.
-    (Before: once for every value, a round trip each.)"""
-    waited: list[str] = []
-    run_sync = anyio.from_thread.run_sync
-
-    def counted(func: Any, *args: Any, **kwargs: Any) -> Any:
-        waited.append(getattr(func, "__name__", "?"))
-        return run_sync(func, *args, **kwargs)
-
-    with anyio.fail_after(TIMEOUT_S):
-        async with _in_parts_of_4(redis_server.url, redis_keyspace) as (tier, layout, _):
-            hashes = list(range(1700, 1712))
-            kept = await stored_and_forgotten(tier, layout, hashes)
-            monkeypatch.setattr(anyio.from_thread, "run_sync", counted)
-            assert await tier.restore(hashes, list(range(12))) == 12
-            monkeypatch.setattr(anyio.from_thread, "run_sync", run_sync)
-            assert same(layout, list(range(12)), kept)
-            assert waited.count("reserve") == 3, waited  # three parts of 4
-            await nothing_held(tier)
-
-
-@pytest.mark.redis
-async def test_the_block_asked_ahead_for_a_value_the_server_lacks_is_freed(
-    redis_server: RedisServer, redis_keyspace: str
-) -> None:
-    """A run that ends at a value the server does not have: the block asked for it while
-    the value before was read is freed by the part's commit; it cost one eviction at
-    most, and nothing stays reserved."""
-    with anyio.fail_after(TIMEOUT_S):
-        async with _in_parts_of_4(redis_server.url, redis_keyspace) as (tier, layout, _):
-            on_server = list(range(1800, 1806))
-            kept = await stored_and_forgotten(tier, layout, on_server)
-            others = list(range(6000, 6000 + BLOCKS))  # the host full: every block evicts
-            await tier.store(others, list(range(BLOCKS))).transfer
-            await tier.remote_written()
-            before = tier.index.stats()
-            assert before.free_blocks == 0
-            asked = [*on_server, 1806, 1807]  # 1806, 1807: never written
-            assert await tier.restore(asked, list(range(8))) == 6
-            after = tier.index.stats()
-            assert same(layout, list(range(6)), kept)
-            assert after.evicted_blocks - before.evicted_blocks <= 6 + 1
-            assert after.failed_blocks - before.failed_blocks <= 1
-            assert after.resident_blocks + after.free_blocks == BLOCKS  # none left reserved
-            assert tier.lookup(asked) == 6
-            await nothing_held(tier)
-
-
-@pytest.mark.redis
 @pytest.mark.parametrize("direct_reads", [True, False])
 async def test_a_hash_named_twice_in_a_run_is_fetched_once(
     direct_reads: bool, redis_server: RedisServer, redis_keyspace: str

@@ -30,8 +30,6 @@ shardings never read each other's blocks.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -53,7 +51,6 @@ import anyio.to_thread
 import structlog
 
 from asyncpin._log import ShieldedLog
-from asyncpin._tasks import current_loop
 from asyncpin.errors import AsyncpinError, ConfigError
 
 __all__ = [
@@ -1178,9 +1175,8 @@ class _Part:
 
 class HostSink(Protocol):
     """Where ``RemoteLink.fetch_direct`` reads its parts (numbered from 0, several read
-    at once): a host block reserved for each value as it arrives (for a part's first
-    value once its header is right, for each next one while the value before it is
-    read); then, part after part in order, the valid ones made loadable."""
+    at once): a host block reserved for each value whose header is right, as it
+    arrives; then, part after part in order, the valid ones made loadable."""
 
     def reserve(self, block_hash: int | bytes, k: int) -> memoryview | None:
         """A host block's memory for ``block_hash``'s payload (of part ``k``), reserved
@@ -1622,24 +1618,23 @@ class RemoteLink:
         )
 
     async def fetch_direct(self, hashes: Sequence[int | bytes], sink: HostSink) -> int:
-        """``fetch_into`` for a store that reads into memory (``readinto``): the hashes
-        in parts of ``batch`` blocks, up to ``read_depth`` parts read ahead of the commits and at
-        once (each in a worker thread on a connection of its own; the link's fetches
-        share ``read_depth`` threads), each value's payload straight into the host block
-        ``sink.reserve`` gives (no copy on the way; asked of the event loop for a part's
-        first value once its header is right, for each next value while the one before
-        it is read), its checksum checked there. The parts are committed in order
+        """``fetch_into`` for a store that reads into memory (``readinto``): the hashes in
+        parts of ``batch`` blocks, up to ``read_depth`` parts read ahead of the commits
+        and at once (each in a worker thread on a connection of its own; the link's
+        fetches share ``read_depth`` threads), each value's payload straight into
+        the host block ``sink.reserve`` gives once its header is right (no copy on the
+        way), its checksum checked there. The parts are committed in order
         (``sink.commit`` makes the valid leading ones loadable): a miss, an invalid
         value, no room, a failing server or a commit that says stop ends the run, and
-        the parts read ahead of it are committed with nothing valid (their blocks freed;
-        ``reserve`` gives them none once it is known, but one reserved before, for a
-        value found after a gap in the run or asked while the value before it was read,
-        may have evicted a block for nothing). A part read ahead takes no room the parts
-        before it may still need (``sink.room()``, as far as this fetch's parts go):
-        where that is short, it is read into spares and read again in its turn. Returns
-        the blocks committed valid. However the caller is cancelled (an anyio scope, or
-        asyncio's own), every read is over before its blocks are freed: a read stops at
-        its next socket wait (the parts it had asked for count as looked up and missed)."""
+        the parts read ahead of it are committed with nothing valid (their blocks
+        freed; ``reserve`` gives them none once it is known, but one reserved before,
+        for a value found after a gap in the run, may have evicted a block for
+        nothing). A part read ahead takes no room the parts before it may still need
+        (``sink.room()``, as far as this fetch's parts go): where that is short, it is
+        read into spares and read again in its turn. Returns the blocks committed
+        valid. However the caller is cancelled (an anyio scope, or asyncio's own), every
+        read is over before its blocks are freed: a read stops at its next socket wait
+        (the parts it had asked for count as looked up and missed)."""
         parts = [hashes[lo : lo + self.batch] for lo in range(0, len(hashes), self.batch)]
         valid = [0] * len(parts)
         began = [False] * len(parts)  # set by the part's reading thread: asked of the server
@@ -1727,26 +1722,6 @@ class RemoteLink:
         seen: list[str | tuple[memoryview, int]] = ["missing"] * len(part)
         ended = False  # a fault or no room: no block is reserved past it
         last = -1  # the last value asked for a body
-        # The next value's block, asked of the event loop while this one is read, so
-        # that no read waits for the loop (a round trip each, 120-180 us at the median
-        # on the H200 machine: bench/RESULTS.md#remote). If that value turns out to be
-        # no data, its block is freed with the part's commit.
-        post = _soon_on(current_loop())
-        ahead: dict[int, concurrent.futures.Future[memoryview | None]] = {}
-
-        def ask(i: int) -> None:
-            asked: concurrent.futures.Future[memoryview | None] = concurrent.futures.Future()
-
-            def run() -> None:  # on the loop
-                try:
-                    asked.set_result(reserve(part[i], k))
-                except BaseException as exc:
-                    asked.set_exception(exc)
-                    if not isinstance(exc, Exception):
-                        raise
-
-            post(run)
-            ahead[i] = asked  # once posted: the read's end waits for it
 
         def body_for(i: int, size: int, head: memoryview) -> memoryview | None:
             nonlocal ended, last
@@ -1766,14 +1741,7 @@ class RemoteLink:
                 ended = True
                 seen[i] = fault or "after the end"
                 return None
-            asked = ahead.pop(i, None)
-            block = (
-                asked.result()
-                if asked is not None
-                else anyio.from_thread.run_sync(reserve, part[i], k)
-            )
-            if i + 1 < len(part):
-                ask(i + 1)
+            block = anyio.from_thread.run_sync(reserve, part[i], k)
             if block is None:  # no block needed, or no room: checked in a spare all the same
                 block = memoryview(bytearray(self.nbytes))
             seen[i] = (block, crc)
@@ -1781,19 +1749,12 @@ class RemoteLink:
 
         def read() -> tuple[int, str | None]:
             began[k] = True
-            try:
-                sizes = read_into(
-                    [self.key_of(h) for h in part],
-                    body_for,
-                    head_bytes=HEADER_BYTES,
-                    check_cancelled=anyio.from_thread.check_cancelled,
-                )
-            finally:
-                # A block asked for a value that was not read into it: reserved before
-                # the read ends (the commit frees it), whatever the read's end.
-                for asked in ahead.values():
-                    concurrent.futures.wait([asked])
-                ahead.clear()
+            sizes = read_into(
+                [self.key_of(h) for h in part],
+                body_for,
+                head_bytes=HEADER_BYTES,
+                check_cancelled=anyio.from_thread.check_cancelled,
+            )
             for i, size in enumerate(sizes):
                 got = seen[i]
                 if size is not None and got == "missing":  # no payload: too short
@@ -1977,15 +1938,6 @@ def _with_host_port(url: str, host: str, port: int) -> str:
     user = parts.netloc.rpartition("@")[0]
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     return parts._replace(netloc=f"{user}@{where}" if user else where).geturl()
-
-
-def _soon_on(loop: Any) -> Callable[[Callable[[], None]], object]:
-    """Runs a callable on ``loop`` (``current_loop()``: asyncio's loop or trio's token)
-    soon, from any thread, without waiting for it."""
-    if isinstance(loop, asyncio.AbstractEventLoop):
-        return loop.call_soon_threadsafe
-    run_soon: Callable[[Callable[[], None]], object] = loop.run_sync_soon
-    return run_soon
 
 
 async def _thread_to_the_end(fn: Callable[[], T], limiter: anyio.CapacityLimiter) -> T:
