@@ -316,8 +316,10 @@ class KVTier:
     servers that share the store) seals every value with a keyed BLAKE2b instead of an
     XXH3 checksum: then only values sealed with it are data, so a writer to the store
     without the secret cannot plant blocks. ``remote_read_depth``: the parts of a
-    restore's fetch (16 blocks each) read at once, each on a connection and in a worker
-    thread of its own (None: 4 from a cluster, 2 from one server; at most 64). Leaving
+    restore's direct fetch (16 blocks each) read at once, each on a connection and in a
+    worker thread of its own (None: 4 from a cluster, 2 from one server; at most 64; a
+    fetch through the client's values reads one part at a time and checks up to this
+    many at once). Leaving
     the tier gives pending writes ``flush_timeout_s``, drops the rest (counted) and
     closes the store."""
 
