@@ -1,6 +1,8 @@
 """The test cases vLLM, LMCache and SGLang run on their own KV offload and prefix-cache
 paths, re-expressed through asyncpin's public API (host engine, CPU tensors; the remote
-ones on the real Redis of ``tests/redis_servers.py``).
+ones on the real Redis of ``tests/redis_servers.py``). The cases that move bytes run
+again on the GPU (the ``device`` fixture's ``cuda`` cases: the CUDA engine, blocks in
+GPU memory, the host region pinned for real; ``pytest -m cuda`` on the GPU machine).
 
 Each test's docstring names the peer test it re-expresses (repository and file / test).
 Where asyncpin's documented contract differs from the peer's on purpose (a store that
@@ -50,21 +52,43 @@ HOST_BLOCKS = 4
 # --- helpers --------------------------------------------------------------------------------
 
 
-def tier_layout(gen: torch.Generator, blocks: int = BLOCKS) -> KVLayout:
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Where a byte-moving case's blocks live: CPU tensors moved by the host engine over
+    a fake pinning backend, or the GPU's, moved by the CUDA engine to and from a region
+    pinned with cudaHostRegister."""
+    return torch.device(request.param)
+
+
+def pinning(layout: KVLayout) -> dict[str, Any]:
+    """The manager's backend for ``layout``'s device: the fake one on the CPU, the real
+    one (``auto``: CUDA registration) on the GPU."""
+    return {"backend": FakeBackend()} if layout.device.type == "cpu" else {}
+
+
+def on(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(device)
+
+
+def tier_layout(
+    gen: torch.Generator, blocks: int = BLOCKS, device: torch.device | None = None
+) -> KVLayout:
     """vLLM's FlashAttention layout, two layers of ``[2, blocks, 4, 2, 8]`` fp16, random
     bytes (every block differs)."""
-    kv = [random_tensor((2, blocks, 4, 2, 8), torch.float16, gen) for _ in range(2)]
+    at = device or torch.device("cpu")
+    kv = [on(at, random_tensor((2, blocks, 4, 2, 8), torch.float16, gen)) for _ in range(2)]
     return KVLayout.from_tensors(kv, block_dim=1)
 
 
 def rows(layout: KVLayout, ids: list[int]) -> list[torch.Tensor]:
-    """The bytes of device blocks ``ids`` of every array (copies)."""
-    return [raw[ids].clone() for raw in layout.byte_arrays()]
+    """The bytes of device blocks ``ids`` of every array (copies, in CPU memory)."""
+    return [raw[ids].cpu() for raw in layout.byte_arrays()]
 
 
 def same_rows(layout: KVLayout, ids: list[int], expected: list[torch.Tensor]) -> bool:
     return all(
-        torch.equal(raw[ids], e) for raw, e in zip(layout.byte_arrays(), expected, strict=True)
+        torch.equal(raw[ids].cpu(), e)
+        for raw, e in zip(layout.byte_arrays(), expected, strict=True)
     )
 
 
@@ -76,7 +100,7 @@ def kinds(events: list[BlockEvent]) -> list[tuple[str, int | bytes]]:
 async def open_tier(
     layout: KVLayout, host_blocks: int = HOST_BLOCKS, *, policy: str = "lru", **kwargs: Any
 ) -> AsyncIterator[tuple[OffloadManager, KVTier]]:
-    async with OffloadManager.for_kv(layout, host_blocks, backend=FakeBackend(), **kwargs) as mgr:
+    async with OffloadManager.for_kv(layout, host_blocks, **pinning(layout), **kwargs) as mgr:
         await mgr.pinned
         yield mgr, KVTier(mgr, policy=policy)
 
@@ -527,7 +551,7 @@ def host_rows(mgr: OffloadManager, layout: KVLayout, a: int, ids: list[int]) -> 
 @pytest.mark.parametrize("direction", ["store", "load"])
 @pytest.mark.parametrize("dtype", _dtypes(), ids=str)
 async def test_vllm_transfer_mixed_attention_backends(
-    dtype: torch.dtype, direction: str, gen: torch.Generator
+    dtype: torch.dtype, direction: str, device: torch.device, gen: torch.Generator
 ) -> None:
     """vllm-project/vllm tests/v1/kv_offload/test_cpu_gpu.py::test_transfer: per-layer
     caches of FlashAttention (``[2, blocks, bs, heads, d]``), FlashInfer
@@ -535,16 +559,16 @@ async def test_vllm_transfer_mixed_attention_backends(
     layout, random mappings of 5 blocks either way: the destination's mapped blocks equal
     the source's, every other destination block and the whole source are unchanged."""
     n, host = 64, 16
-    fa = random_tensor((2, n, 4, 2, 16), dtype, gen)
-    fi = random_tensor((n, 2, 4, 2, 16), dtype, gen)
-    mla = random_tensor((n, 4, 24), dtype, gen)
+    fa = on(device, random_tensor((2, n, 4, 2, 16), dtype, gen))
+    fi = on(device, random_tensor((n, 2, 4, 2, 16), dtype, gen))
+    mla = on(device, random_tensor((n, 4, 24), dtype, gen))
     layout = KVLayout.from_tensors([fa[0], fa[1], fi, mla], block_dim=0)
     assert not layout.uniform and layout.num_arrays == 4
     rng = random.Random(0)
     gpu = rng.sample(range(n), 5)
     cpu = rng.sample(range(host), 5)
     with anyio.fail_after(TIMEOUT_S):
-        async with OffloadManager.for_kv(layout, host, backend=FakeBackend()) as mgr:
+        async with OffloadManager.for_kv(layout, host, **pinning(layout)) as mgr:
             await mgr.pinned
             raw_host = mgr.host_bytes()
             raw_host.copy_(random_tensor(tuple(raw_host.shape), torch.uint8, gen))
@@ -559,10 +583,10 @@ async def test_vllm_transfer_mixed_attention_backends(
             untouched_cpu = [c for c in range(host) if c not in cpu]
             for a, raw in enumerate(layout.byte_arrays()):
                 if direction == "store":
-                    assert torch.equal(host_rows(mgr, layout, a, cpu), raw[gpu]), a
+                    assert torch.equal(host_rows(mgr, layout, a, cpu), raw[gpu].cpu()), a
                     assert torch.equal(raw, dev_before[a]), a
                 else:
-                    assert torch.equal(raw[gpu], host_rows(mgr, layout, a, cpu)), a
+                    assert torch.equal(raw[gpu].cpu(), host_rows(mgr, layout, a, cpu)), a
                     assert torch.equal(raw[untouched_gpu], dev_before[a][untouched_gpu]), a
             if direction == "store":
                 assert torch.equal(mgr.host_bytes()[untouched_cpu], host_before[untouched_cpu])
@@ -582,14 +606,14 @@ async def test_vllm_transfer_mixed_attention_backends(
     ids=["15-18-28", "1", "10-13"],
 )
 async def test_lmcache_round_trip_odd_sizes_and_alignments(
-    shapes: list[tuple[torch.dtype, tuple[int, ...]]], gen: torch.Generator
+    shapes: list[tuple[torch.dtype, tuple[int, ...]]], device: torch.device, gen: torch.Generator
 ) -> None:
     """LMCache/LMCache tests/v1/test_mem_kernels.py (multi_layer_kv_transfer round trips
     over chunk sizes that are not a multiple of the block, mixed shapes): arrays whose
     blocks are 1, 10, 13, 15, 18 and 28 bytes (host offsets not 8-byte aligned) go to the
     host and come back byte for byte, through the tier."""
     n = 40
-    arrays = [random_tensor((n, *shape), dtype, gen) for dtype, shape in shapes]
+    arrays = [on(device, random_tensor((n, *shape), dtype, gen)) for dtype, shape in shapes]
     layout = KVLayout.from_tensors(arrays)
     ids = [0, 7, 8, 9, 31, 3]
     with anyio.fail_after(TIMEOUT_S):
@@ -610,12 +634,14 @@ async def test_lmcache_round_trip_odd_sizes_and_alignments(
             assert same_rows(layout, dests, kept)
 
 
-async def test_flashinfer_hnd_view_round_trips(gen: torch.Generator) -> None:
+async def test_flashinfer_hnd_view_round_trips(device: torch.device, gen: torch.Generator) -> None:
     """vllm-project/vllm tests/v1/kv_offload/test_cpu_gpu.py with FlashInfer's HND
     layout (``get_kv_cache_stride_order``: heads before tokens in memory, the NHD shape
     seen through a permuted view): the dense, non-contiguous view moves as it lies."""
     n = 16
-    hnd = random_tensor((n, 2, 4, 8, 16), torch.bfloat16, gen)  # [blocks, 2, heads, bs, d]
+    hnd = on(
+        device, random_tensor((n, 2, 4, 8, 16), torch.bfloat16, gen)
+    )  # [blocks, 2, heads, bs, d]
     view = hnd.permute(0, 1, 3, 2, 4)  # [blocks, 2, bs, heads, d], not contiguous
     assert not view.is_contiguous()
     layout = KVLayout.from_tensors([view], block_dim=0)
@@ -631,12 +657,14 @@ async def test_flashinfer_hnd_view_round_trips(gen: torch.Generator) -> None:
 # --- layer-wise -----------------------------------------------------------------------------
 
 
-async def test_lmcache_layerwise_store_and_retrieve(gen: torch.Generator) -> None:
+async def test_lmcache_layerwise_store_and_retrieve(
+    device: torch.device, gen: torch.Generator
+) -> None:
     """LMCache/LMCache tests/v1/test_cache_engine.py (test_layerwise_store_retrieve:
     store layer by layer, retrieve layer by layer, each layer equal) and the aborted
     request of tests/v1/distributed/test_abort_write.py: a layer-wise store is loadable
     only when every layer is in; an aborted one frees its blocks and indexes nothing."""
-    layers = [random_tensor((2, BLOCKS, 4, 2, 8), torch.float16, gen) for _ in range(3)]
+    layers = [on(device, random_tensor((2, BLOCKS, 4, 2, 8), torch.float16, gen)) for _ in range(3)]
     layout = KVLayout.from_tensors(layers, block_dim=1)
     with anyio.fail_after(TIMEOUT_S):
         async with open_tier(layout) as (_, tier):
@@ -665,7 +693,7 @@ async def test_lmcache_layerwise_store_and_retrieve(gen: torch.Generator) -> Non
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 async def test_many_concurrent_stores_and_loads_move_the_right_bytes(
-    policy: str, gen: torch.Generator
+    policy: str, device: torch.device, gen: torch.Generator
 ) -> None:
     """LMCache/LMCache tests/v1/storage_backend/test_local_cpu_backend.py::
     test_thread_safety / test_concurrent_access and vllm-project/vllm
@@ -673,7 +701,7 @@ async def test_many_concurrent_stores_and_loads_move_the_right_bytes(
     loads of looked-up prefixes over 8 host blocks; every loaded block equals the device
     block its hash was stored from, and the index's counts stay consistent."""
     n_src, host = 24, 8
-    layout = tier_layout(gen, blocks=64)
+    layout = tier_layout(gen, blocks=64, device=device)
     src = {h: rows(layout, [h]) for h in range(n_src)}  # hash h is device block h
     rng = random.Random(1234)
     loads_checked = 0
@@ -715,11 +743,15 @@ async def _await(awaitable: Any) -> None:
 
 @asynccontextmanager
 async def remote(
-    url: str, keyspace: str, gen: torch.Generator, **store_kwargs: Any
+    url: str,
+    keyspace: str,
+    gen: torch.Generator,
+    device: torch.device | None = None,
+    **store_kwargs: Any,
 ) -> AsyncIterator[tuple[KVTier, KVLayout]]:
-    layout = tier_layout(gen)
+    layout = tier_layout(gen, device=device)
     store = RedisStore(url, timeout_s=2.0, **store_kwargs)
-    async with OffloadManager.for_kv(layout, 8, backend=FakeBackend()) as mgr:
+    async with OffloadManager.for_kv(layout, 8, **pinning(layout)) as mgr:
         await mgr.pinned
         async with KVTier(mgr, remote=store, model="peer", namespace=keyspace.rstrip(":")) as tier:
             yield tier, layout
@@ -757,14 +789,18 @@ async def _written_and_forgotten(tier: KVTier, hashes: list[int]) -> None:
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "copied"])
 async def test_lmcache_remote_missing_key_ends_the_prefix(
-    direct: bool, redis_server: RedisServer, redis_keyspace: str, gen: torch.Generator
+    direct: bool,
+    device: torch.device,
+    redis_server: RedisServer,
+    redis_keyspace: str,
+    gen: torch.Generator,
 ) -> None:
     """LMCache/LMCache tests/v1/storage_backend/test_resp_get_missing_key.py and
     test_redis_connector_prefix.py: a key missing on the server is a miss, and a prefix
     lookup stops there though later keys exist; restore brings back only the run before
     it and indexes nothing after it."""
     with anyio.fail_after(TIMEOUT_S):
-        async with remote(redis_server.url, redis_keyspace, gen, direct_reads=direct) as (
+        async with remote(redis_server.url, redis_keyspace, gen, device, direct_reads=direct) as (
             tier,
             layout,
         ):
@@ -899,14 +935,18 @@ def test_peer_layout_shapes_are_described() -> None:
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "copied"])
 async def test_sglang_hicache_restore_with_repeated_hashes_and_host_gaps(
-    direct: bool, redis_server: RedisServer, redis_keyspace: str, gen: torch.Generator
+    direct: bool,
+    device: torch.device,
+    redis_server: RedisServer,
+    redis_keyspace: str,
+    gen: torch.Generator,
 ) -> None:
     """sgl-project/sglang test/srt/hicache (HiRadixCache: a prefix matched across the
     device, host and storage tiers, prefetched from storage into host then loaded):
     restore of [1, 2, 3] with 1 and 3 on the host and 2 only on the server brings all
     three; a prompt that repeats a block hash ([5, 5]) restores both positions."""
     with anyio.fail_after(TIMEOUT_S):
-        async with remote(redis_server.url, redis_keyspace, gen, direct_reads=direct) as (
+        async with remote(redis_server.url, redis_keyspace, gen, device, direct_reads=direct) as (
             tier,
             layout,
         ):
