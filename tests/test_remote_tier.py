@@ -23,7 +23,7 @@ import torch
 from asyncpin import KVLayout, OffloadManager
 from asyncpin.testing import FakeBackend
 from asyncpin.tier import KVTier, RedisStore, RemoteError
-from asyncpin.tier.remote import fingerprint
+from asyncpin.tier.remote import WRITERS, fingerprint
 from tests.redis_servers import RedisCluster, RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
@@ -274,10 +274,11 @@ async def test_a_full_queue_drops_and_counts_and_a_store_never_waits(
         ) as (tier, _):
             redis_server.pause()
             try:
-                for i in range(8):  # each returns at once; the writer is stuck on the server
+                for i in range(8):  # each returns at once; the writers are stuck on the server
                     await tier.store([100 + i], [i]).transfer
                 remote = tier.stats().remote
-                assert remote is not None and remote.dropped_blocks >= 8 - 2 - 1
+                # the queue holds 2, each writer a batch
+                assert remote is not None and remote.dropped_blocks >= 8 - 2 - WRITERS
                 assert tier.lookup([100 + i for i in range(8)]) == 8  # the host has them all
             finally:
                 redis_server.resume()
@@ -478,9 +479,10 @@ async def test_queued_blocks_stay_evictable(
     direct_writes: bool, redis_server: RedisServer, redis_keyspace: str
 ) -> None:
     """Behind a paused server, blocks waiting to be written do not hold the host: new
-    stores find room (half the host was held while queued). Only the blocks of the
-    write under way are held: the copying writer's were copied out already; the direct
-    writer's are being sent from the host blocks themselves (one write batch)."""
+    stores find room (three quarters of the host was held while queued). Only the
+    blocks of the writes under way are held: the copying writers' were copied out
+    already; the direct writers' are being sent from the host blocks themselves (a
+    write batch of 4 each, ``WRITERS`` at once)."""
     layout = make_layout()
     with anyio.fail_after(TIMEOUT_S):
         async with OffloadManager.for_kv(layout, BLOCKS, backend=FakeBackend()) as mgr:
@@ -489,15 +491,16 @@ async def test_queued_blocks_stay_evictable(
             tier = KVTier(
                 mgr, remote=store, namespace=redis_keyspace.rstrip(":"), flush_timeout_s=0.2
             )
+            assert tier.remote is not None
+            tier.remote.write_batch = 4
             redis_server.pause()
             try:
                 async with tier:
                     await tier.store(list(range(BLOCKS)), list(range(BLOCKS))).transfer
-                    await anyio.wait_all_tasks_blocked()  # the writer is stuck on the server
+                    await anyio.wait_all_tasks_blocked()  # the writers are stuck on the server
                     fresh = tier.store(list(range(100, 100 + BLOCKS)), list(range(BLOCKS)))
                     await fresh.transfer
-                    assert tier.remote is not None
-                    held = tier.remote.write_batch if direct_writes else 0
+                    held = WRITERS * 4 if direct_writes else 0
                     assert len(fresh.skipped) == held, fresh.skipped
             finally:
                 redis_server.resume()

@@ -99,6 +99,9 @@ HEADER_BYTES = _HEADER.size  # 64
 READ_DEPTH = 2
 CLUSTER_READ_DEPTH = 4
 MAX_READ_DEPTH = 64
+# Batches the writer sends at once, each in a worker thread on a connection of its own:
+# one batch's wait for its replies is the other's time on the wire.
+WRITERS = 2
 
 
 class RemoteError(AsyncpinError, RuntimeError):
@@ -1264,7 +1267,7 @@ class RemoteLink:
         self._finished = anyio.Event()
         # Worker threads of their own (the writer's copies; the fetches' checks): the
         # application's busy pool never stalls them.
-        self._limiter = anyio.CapacityLimiter(1)
+        self._limiter = anyio.CapacityLimiter(WRITERS)
         # A direct fetch's parts read at once, each on a connection of its own.
         self.read_depth = read_depth
         self.read_limiter = anyio.CapacityLimiter(read_depth)
@@ -1343,7 +1346,8 @@ class RemoteLink:
         what is still queued is dropped and counted."""
         self.running = True
         task_status.started()
-        try:
+
+        async def writer() -> None:
             async for first in self._receive:
                 batch = [first]
                 while len(batch) < self.write_batch:
@@ -1355,6 +1359,11 @@ class RemoteLink:
                     await self._write(batch, read_block, hold, release)
                 except Exception as exc:  # never the writer's end (counted as dropped)
                     _log.error("tier.remote_writer_failed", error=repr(exc))
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for _ in range(WRITERS):
+                    tg.start_soon(writer)
         finally:
             self.running = False
             while True:
