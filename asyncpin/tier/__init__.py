@@ -249,7 +249,8 @@ class _FetchSink:
     """Where a restore's direct fetch reads (a ``HostSink``): a host block reserved in the
     index for each value as it arrives, then, per part, the valid ones made loadable and
     kept from eviction (in ``held``, until the restore's load is over) and the rest
-    freed."""
+    freed. A block another restore is fetching meanwhile does not end the run: its end
+    is waited for (``waits``) before the restore looks its run up again."""
 
     def __init__(
         self,
@@ -257,11 +258,14 @@ class _FetchSink:
         remote: RemoteLink,
         held: list[tuple[list[BlockHash], list[int]]],
         removed: int,
+        waits: list[anyio.Event],
     ) -> None:
         self._index = tier.index
+        self._fetching = tier._fetching
         self._rows: torch.Tensor | None = tier.manager.host_bytes()
         self._remote = remote
         self._held = held
+        self._waits = waits
         self._removed = removed  # the index's removals when the run was found
         # Reserved, by part, in order.
         self._parts: dict[int, list[tuple[BlockHash, StorePlan]]] = {}
@@ -273,6 +277,7 @@ class _FetchSink:
         if not plan.hashes:  # on the host, being stored by another, or no room
             self._index.end_store(plan, ok=False)
             return None
+        self._fetching[block_hash] = anyio.Event()  # set once its block is loadable or freed
         self._parts.setdefault(k, []).append((block_hash, plan))
         view: memoryview = self._rows[plan.host_blocks[0]].numpy().data
         return view
@@ -291,14 +296,31 @@ class _FetchSink:
         good = set(part[:valid])
         for h, plan in reserved:
             self._index.end_store(plan, ok=h in good)  # not written back: it came from there
+            self._fetching.pop(h).set()
         self._remote.fetched(sum(1 for h, _ in reserved if h in good))
-        ready: list[BlockHash] = []
-        for h in part[:valid]:
-            if h not in self._index:  # no room for it, or another's store not over yet
-                break
-            ready.append(h)
+        ready, whole = _ready_or_fetched(self._index, self._fetching, part[:valid], self._waits)
         self._held.append((ready, self._index.begin_load(ready, touch=False)))
-        return len(ready) == len(part) and self._index.stats().removed_blocks == self._removed
+        return whole and valid == len(part) and self._index.stats().removed_blocks == self._removed
+
+
+def _ready_or_fetched(
+    index: BlockIndex,
+    fetching: dict[BlockHash, anyio.Event],
+    hashes: Sequence[BlockHash],
+    waits: list[anyio.Event],
+) -> tuple[list[BlockHash], bool]:
+    """Of ``hashes`` (a fetched part's leading valid ones), those loadable now, and
+    whether every one is loadable or being fetched by another restore (whose end is
+    added to ``waits``): False at the first that is neither (no room for it, say)."""
+    ready: list[BlockHash] = []
+    for h in hashes:
+        if h in index:
+            ready.append(h)
+        elif h in fetching:  # another restore's: the run goes on, its end waited for
+            waits.append(fetching[h])
+        else:
+            return ready, False
+    return ready, True
 
 
 class KVTier:
@@ -344,6 +366,10 @@ class KVTier:
         #: Events a subscriber's full buffer could not take.
         self.dropped_events = 0
         self._num_blocks = layout.num_blocks
+        # Blocks a restore is fetching into the host now (reserved, not yet loadable or
+        # freed): the event is set once they are. Another restore of the same run waits
+        # for them rather than ending its run there.
+        self._fetching: dict[BlockHash, anyio.Event] = {}
         self.remote: RemoteLink | None = None
         if remote is None and remote_secret is not None:
             raise ConfigError("remote_secret seals a remote store's values: give remote= too")
@@ -696,10 +722,14 @@ class KVTier:
             # (storing it would evict others' blocks for nothing).
             removed = self.index.stats().removed_blocks
 
+            # Ends of other restores' fetches of blocks of this run, waited for before the
+            # run is looked up again.
+            waits: list[anyio.Event] = []
+
             async def into(part: Sequence[BlockHash], payloads: list[memoryview]) -> bool:
-                ready, blocks = await self._into_host(list(part), payloads, remote)
+                ready, blocks, whole = await self._into_host(list(part), payloads, remote, waits)
                 held.append((ready, blocks))
-                return len(ready) == len(part) and self.index.stats().removed_blocks == removed
+                return whole and self.index.stats().removed_blocks == removed
 
             try:
                 # The run: up to the next block the host has, at most what it can hold
@@ -715,13 +745,15 @@ class KVTier:
                     end += 1
                 run = list(dict.fromkeys(keys[n:end]))
                 if remote.direct:  # read straight into host blocks
-                    sink = _FetchSink(self, remote, held, removed)
+                    sink = _FetchSink(self, remote, held, removed, waits)
                     try:
                         await remote.fetch_direct(run, sink)
                     finally:
                         sink.close()
                 else:  # each part goes into host blocks while the next is read
                     await remote.fetch_into(run, into)
+                for fetched in waits:  # other restores' fetches of blocks of this run
+                    await fetched.wait()
                 n = self.index.lookup(keys)
                 transfer = self.load(keys[:n], gpu[:n], method=method) if n else None
             finally:
@@ -736,15 +768,23 @@ class KVTier:
         return n
 
     async def _into_host(
-        self, keys: list[BlockHash], payloads: list[memoryview], remote: RemoteLink
-    ) -> tuple[list[BlockHash], list[int]]:
+        self,
+        keys: list[BlockHash],
+        payloads: list[memoryview],
+        remote: RemoteLink,
+        waits: list[anyio.Event],
+    ) -> tuple[list[BlockHash], list[int], bool]:
         """Fetched blocks into host blocks the index gives them, then indexed. Returns
-        the leading ones loadable now, kept from eviction (``index.end_load`` them)."""
+        those loadable now, kept from eviction (``index.end_load`` them), and whether
+        every one is loadable or being fetched by another restore (its end added to
+        ``waits``)."""
         # The host rows and the payloads, dropped once the copy is over: this frame may
         # outlive the call in a cancellation's reference cycles, and must not keep the
         # host memory mapped meanwhile.
         work = [(self.manager.host_bytes(), dict(zip(keys, payloads, strict=True)))]
         plan = self.index.begin_store(keys)
+        for h in plan.hashes:  # set once loadable or freed
+            self._fetching[h] = anyio.Event()
 
         def copy_in() -> None:
             import numpy as np  # with torch's .numpy(): see the module docstring
@@ -762,13 +802,11 @@ class KVTier:
         finally:
             work.clear()
             self.index.end_store(plan, ok=ok)  # not written back: it came from there
+            for h in plan.hashes:
+                self._fetching.pop(h).set()
         remote.fetched(len(plan.hashes))
-        ready: list[BlockHash] = []
-        for h in keys:
-            if h not in self.index:  # no room for it: the run ends before it
-                break
-            ready.append(h)
-        return ready, self.index.begin_load(ready, touch=False)
+        ready, whole = _ready_or_fetched(self.index, self._fetching, keys, waits)
+        return ready, self.index.begin_load(ready, touch=False), whole
 
     def stats(self) -> TierStats:
         """The index's counters, the bytes its resident blocks hold, the policy and
