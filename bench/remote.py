@@ -17,14 +17,16 @@ Each round, after a warm-up round that is not counted:
 
 - asyncpin write: ``tier.clear()``, ``tier.store(hashes, ids)`` of N blocks, then
   ``await tier.remote_written()``. Reported: the write-behind alone (from the store's copy
-  done to every block written: on a node, pipelined SETs of 16 sent from the host blocks
-  in a worker thread, header and XXH3 checksum made there; on a cluster, or with
-  ``--copied-writes``, each block copied out in a worker thread, then redis-py's
-  pipelined SETs of the copies) and the store end to end (host copy included).
-- asyncpin fetch: ``tier.clear()``, then ``await tier.restore(hashes, other_ids)``: on a
-  node, pipelines of 16 GETs read straight into host blocks in a worker thread, every
-  value checked (header, XXH3 checksum) there (a cluster, or ``--copied-reads``: redis-py's
-  values, checked, then copied in), then loaded to the device blocks (the host engine: a
+  done to every block written: pipelined SETs of 16 sent from the host blocks in worker
+  threads, two pipelines at once, header and XXH3 checksum made there, one pipeline per
+  node on a cluster; with ``--copied-writes``, each block copied out in a worker thread,
+  then redis-py's pipelined SETs of the copies) and the store end to end (host copy
+  included).
+- asyncpin fetch: ``tier.clear()``, then ``await tier.restore(hashes, other_ids)``:
+  pipelines of 16 GETs (one per node on a cluster) read straight into host blocks in
+  worker threads, two at once from a node and four from a cluster, every value checked
+  (header, XXH3 checksum) there (``--copied-reads``: redis-py's values, checked, then
+  copied in), then loaded to the device blocks (the host engine: a
   memcpy). The public API has no fetch-only call, so "fetch" is estimated as the restore
   minus a ``tier.load`` of the same N blocks from the host (timed right after, its lag
   too).

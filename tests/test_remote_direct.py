@@ -996,6 +996,40 @@ def test_a_read_depth_that_is_not_a_count_is_refused(depth: Any) -> None:
         )
 
 
+class _Lying(int):
+    """An int whose comparisons say it is in any range."""
+
+    def __lt__(self, other: object) -> bool:
+        return False
+
+    def __gt__(self, other: object) -> bool:
+        return False
+
+
+def test_counts_are_taken_as_plain_ints_whatever_a_subclass_says() -> None:
+    """A hostile trial: an int subclass whose comparisons lie passed the bounds (a depth
+    of 0 made a limiter with no token: a restore waited forever; 10**6 passed the cap).
+    Each count is checked and kept as the plain int it is."""
+    from asyncpin.errors import ConfigError
+    from asyncpin.tier.remote import RemoteLink
+
+    store = RedisStore("redis://127.0.0.1:1", direct_reads=False)
+    made: dict[str, Any] = {
+        "print_": b"p" * 8,
+        "namespace": "t",
+        "host_block_bytes": 64,
+        "queue_blocks": 4,
+    }
+    for bad in (_Lying(0), _Lying(10**6)):
+        with pytest.raises(ConfigError, match="remote_read_depth must be"):
+            RemoteLink(store, **made, read_depth=bad)
+    with pytest.raises(ConfigError, match="remote_queue must be"):
+        RemoteLink(store, **{**made, "queue_blocks": _Lying(0)})
+    link = RemoteLink(store, **made, read_depth=_Lying(3), batch_blocks=_Lying(8))
+    assert type(link.read_depth) is int and link.read_depth == 3
+    assert type(link.batch) is int and link.batch == 8
+
+
 async def test_the_tier_reads_four_parts_at_once_from_a_cluster_two_from_a_server() -> None:
     """``KVTier(remote_read_depth=)``: None picks by the store (a cluster's parts spread
     over its nodes, bench/RESULTS.md#remote); a count is taken as given; anything else,

@@ -546,12 +546,12 @@ async def test_the_next_part_is_read_while_a_part_goes_into_host_blocks(
             copy_in = tier._into_host
             copied: list[int] = []
 
-            async def held_copy(keys: Any, payloads: Any, remote: Any) -> Any:
+            async def held_copy(keys: Any, payloads: Any, remote: Any, waits: Any) -> Any:
                 if not copied:
                     with anyio.fail_after(5):
                         await second_read.wait()
                 copied.append(len(keys))
-                return await copy_in(keys, payloads, remote)
+                return await copy_in(keys, payloads, remote, waits)
 
             tier._into_host = held_copy  # type: ignore[method-assign]
             assert await tier.restore(hashes, list(range(30))) == 30
@@ -614,11 +614,11 @@ async def test_a_failed_copy_into_host_blocks_is_raised_as_itself(
             copy_in = tier._into_host
             calls: list[int] = []
 
-            async def failing(keys: Any, payloads: Any, remote: Any) -> Any:
+            async def failing(keys: Any, payloads: Any, remote: Any, waits: Any) -> Any:
                 calls.append(len(keys))
                 if len(calls) == 2:
                     raise OSError("no copy")
-                return await copy_in(keys, payloads, remote)
+                return await copy_in(keys, payloads, remote, waits)
 
             tier._into_host = failing  # type: ignore[method-assign]
             with pytest.raises(OSError, match="no copy"):
@@ -700,8 +700,8 @@ async def test_a_broken_run_stops_the_fetch_and_evicts_nothing_for_it(
             copy_in = tier._into_host
             parts: list[tuple[int, int]] = []
 
-            async def copied(keys: Any, payloads: Any, remote: Any) -> Any:
-                got = await copy_in(keys, payloads, remote)
+            async def copied(keys: Any, payloads: Any, remote: Any, waits: Any) -> Any:
+                got = await copy_in(keys, payloads, remote, waits)
                 parts.append((len(keys), len(got[0])))
                 if len(parts) == 2:
                     tier.index.end_load(others, held)  # that load is over: room again
@@ -735,11 +735,11 @@ async def test_a_failed_restore_keeps_no_payload_alive(
             copy_in = tier._into_host
             ids: list[int] = []
 
-            async def failing(keys: Any, payloads: Any, remote: Any) -> Any:
+            async def failing(keys: Any, payloads: Any, remote: Any, waits: Any) -> Any:
                 ids.extend(id(p) for p in payloads)
                 if len(ids) > 16:
                     raise OSError("no copy")
-                return await copy_in(keys, payloads, remote)
+                return await copy_in(keys, payloads, remote, waits)
 
             tier._into_host = failing  # type: ignore[method-assign]
             gc.collect()

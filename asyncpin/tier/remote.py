@@ -1228,16 +1228,24 @@ class RemoteLink:
             read_depth = (
                 CLUSTER_READ_DEPTH if getattr(store, "cluster", False) is True else READ_DEPTH
             )
+        counts: list[int] = []
         for what, value, most in (
             ("remote_queue", queue_blocks, None),
             ("batch", batch_blocks, None),
             ("write_batch", 1 if write_batch_blocks is None else write_batch_blocks, None),
             ("remote_read_depth", read_depth, MAX_READ_DEPTH),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{what} must be an int >= 1, got {value!r}")
-            if most is not None and value > most:
+            count = int.__index__(value)  # a plain int, whatever a subclass says it is
+            if count < 1:
+                raise ConfigError(f"{what} must be an int >= 1, got {value!r}")
+            if most is not None and count > most:
                 raise ConfigError(f"{what} must be at most {most}, got {value!r}")
+            counts.append(count)
+        queue_blocks, batch_blocks, write_batch, read_depth = counts
+        if write_batch_blocks is not None:
+            write_batch_blocks = write_batch
         if not isinstance(namespace, str) or not namespace:
             raise ConfigError(f"namespace must be a non-empty str, got {namespace!r}")
         _xxh3()  # the values' checksum: its library now, not at the first write
