@@ -681,8 +681,9 @@ async def test_two_restores_of_one_run_both_get_it(
 ) -> None:
     """Two restores of the same 48 blocks at once: a block the other is storing is read
     and checked, not taken as the end of the run. (Review: the direct fetch took it for
-    "no room" and the second restore got 16 of 48; the copying fetch got 48.) The second
-    may lose a part to the race with the first's commit, never more."""
+    "no room" and the second restore got 16 of 48; the copying fetch got 48. Then the
+    second could lose a part to the race with the first's commit: no more, the block
+    the first is fetching is waited for.)"""
     dev = 128
     with anyio.fail_after(TIMEOUT_S):
         async with remote_tier(
