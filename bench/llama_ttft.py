@@ -297,7 +297,10 @@ def _table(doc: dict[str, Any]) -> None:
         f"median of {doc['repeats']} (ms)"
     )
     print("full: no prefix cache; lw / all: prefix loaded from the host per layer / at once;")
-    print("kept: prefix kept on the GPU; remote: fetched from Redis, checked, loaded (restore);")
+    print(
+        "kept: prefix kept on the device; remote: fetched from "
+        f"{doc.get('own_servers') or doc.get('remote') or 'Redis'}, checked, loaded (restore);"
+    )
     print("GB/s: loaded bytes over (lw - kept)")
     print(
         f"{'prompt':>7} {'full':>9} {'host lw':>9} {'host all':>9} {'kept':>8} {'remote':>8} "

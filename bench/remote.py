@@ -472,7 +472,8 @@ def main() -> int:
         if missing is not None:
             sys.exit(f"remote.py: {missing} (or pass --url)")
         for kind in args.kind or ["node", "cluster"]:
-            print(f"{kind}:", file=sys.stderr)
+            named = f"cluster of {args.cluster_nodes}" if kind == "cluster" else kind
+            print(f"{named}:", file=sys.stderr)
             results[kind] = with_servers(kind, run(kind == "cluster"), args.cluster_nodes)
             if kind == "cluster":
                 results[kind]["cluster_nodes"] = args.cluster_nodes
