@@ -997,6 +997,81 @@ def test_a_read_depth_that_is_not_a_count_is_refused(depth: Any) -> None:
         )
 
 
+@pytest.mark.redis
+async def test_a_block_cleared_while_fetched_and_fetched_again_ends_both_fetches(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """A review: restore A reserves a block, the tier is cleared (a prefix-cache reset),
+    restore B reserves the same hash again; A's commit took B's entry (the entry was by
+    hash alone) and B's raised KeyError, leaving its part's blocks reserved for good and
+    the end A's reservation promised never set (a third restore waiting on it hung).
+    Each fetch now ends its own."""
+    from asyncpin.tier import _FetchSink
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(redis_server.url, redis_keyspace, host_blocks=BLOCKS) as (
+            tier,
+            _,
+        ):
+            remote = tier.remote
+            assert remote is not None
+            h = 7
+            held: list[tuple[list[int | bytes], list[int]]] = []  # as a restore's
+            a = _FetchSink(tier, remote, held, tier.index.stats().removed_blocks, [])
+            assert a.reserve(h, 0) is not None
+            a_end = tier._fetching[h]  # what a third restore meeting h would wait for
+            tier.clear()
+            b = _FetchSink(tier, remote, held, tier.index.stats().removed_blocks, [])
+            assert b.reserve(h, 0) is not None
+            b_end = tier._fetching[h]
+            assert b_end is not a_end
+            a.commit(0, [h], 1)
+            assert a_end.is_set() and tier._fetching == {h: b_end}
+            b.commit(0, [h], 1)
+            assert b_end.is_set() and not tier._fetching
+            assert tier.lookup([h]) == 1  # B's block, checked data
+            for sink in (a, b):
+                sink.close()
+            for part, blocks in held:  # the restores' loads over
+                tier.index.end_load(part, blocks)
+            await nothing_held(tier)
+
+
+@pytest.mark.redis
+async def test_a_block_cleared_while_copied_in_and_copied_again_ends_both(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """The same on the copying path: A's copy into host blocks waits, the tier is
+    cleared, B copies the same hashes in; both end, neither raises (B raised KeyError),
+    and no entry is left."""
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(
+            redis_server.url, redis_keyspace, host_blocks=BLOCKS, direct_reads=False
+        ) as (tier, _):
+            remote = tier.remote
+            assert remote is not None
+            hashes: list[int | bytes] = [3000, 3001]
+            payloads = [memoryview(bytearray(remote.nbytes)) for _ in hashes]
+            got: dict[str, Any] = {}
+
+            async def copy_in(name: str) -> None:
+                ready, blocks, whole = await tier._into_host(hashes, payloads, remote, [])
+                tier.index.end_load(ready, blocks)
+                got[name] = whole
+
+            await remote.copy_limiter.acquire()  # A's copy waits
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(copy_in, "A")
+                await anyio.wait_all_tasks_blocked()
+                assert set(tier._fetching) == set(hashes)
+                tier.clear()
+                tg.start_soon(copy_in, "B")
+                await anyio.wait_all_tasks_blocked()
+                remote.copy_limiter.release()
+            assert set(got) == {"A", "B"} and not tier._fetching
+            await nothing_held(tier)
+
+
 class _Lying(int):
     """An int whose comparisons say it is in any range."""
 

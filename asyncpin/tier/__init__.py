@@ -268,7 +268,7 @@ class _FetchSink:
         self._waits = waits
         self._removed = removed  # the index's removals when the run was found
         # Reserved, by part, in order.
-        self._parts: dict[int, list[tuple[BlockHash, StorePlan]]] = {}
+        self._parts: dict[int, list[tuple[BlockHash, StorePlan, anyio.Event]]] = {}
 
     def reserve(self, block_hash: BlockHash, k: int) -> memoryview | None:
         if self._rows is None:
@@ -277,8 +277,8 @@ class _FetchSink:
         if not plan.hashes:  # on the host, being stored by another, or no room
             self._index.end_store(plan, ok=False)
             return None
-        self._fetching[block_hash] = anyio.Event()  # set once its block is loadable or freed
-        self._parts.setdefault(k, []).append((block_hash, plan))
+        fetched = self._fetching[block_hash] = anyio.Event()  # set once loadable or freed
+        self._parts.setdefault(k, []).append((block_hash, plan, fetched))
         view: memoryview = self._rows[plan.host_blocks[0]].numpy().data
         return view
 
@@ -294,13 +294,26 @@ class _FetchSink:
     def commit(self, k: int, part: Sequence[BlockHash], valid: int) -> bool:
         reserved = self._parts.pop(k, [])
         good = set(part[:valid])
-        for h, plan in reserved:
-            self._index.end_store(plan, ok=h in good)  # not written back: it came from there
-            self._fetching.pop(h).set()
-        self._remote.fetched(sum(1 for h, _ in reserved if h in good))
+        try:
+            for h, plan, _ in reserved:
+                self._index.end_store(plan, ok=h in good)  # not written back: it came from there
+        finally:
+            _fetched(self._fetching, [(h, e) for h, _, e in reserved])
+        self._remote.fetched(sum(1 for h, _, _ in reserved if h in good))
         ready, whole = _ready_or_fetched(self._index, self._fetching, part[:valid], self._waits)
         self._held.append((ready, self._index.begin_load(ready, touch=False)))
         return whole and valid == len(part) and self._index.stats().removed_blocks == self._removed
+
+
+def _fetched(
+    fetching: dict[BlockHash, anyio.Event], ends: list[tuple[BlockHash, anyio.Event]]
+) -> None:
+    """Each fetch's end set, and its entry dropped if it is still its own (a hash removed
+    while fetched may be reserved again by another restore meanwhile)."""
+    for h, event in ends:
+        if fetching.get(h) is event:
+            del fetching[h]
+        event.set()
 
 
 def _ready_or_fetched(
@@ -783,8 +796,8 @@ class KVTier:
         # host memory mapped meanwhile.
         work = [(self.manager.host_bytes(), dict(zip(keys, payloads, strict=True)))]
         plan = self.index.begin_store(keys)
-        for h in plan.hashes:  # set once loadable or freed
-            self._fetching[h] = anyio.Event()
+        ends = [(h, anyio.Event()) for h in plan.hashes]  # set once loadable or freed
+        self._fetching.update(ends)
 
         def copy_in() -> None:
             import numpy as np  # with torch's .numpy(): see the module docstring
@@ -801,9 +814,10 @@ class KVTier:
             ok = True
         finally:
             work.clear()
-            self.index.end_store(plan, ok=ok)  # not written back: it came from there
-            for h in plan.hashes:
-                self._fetching.pop(h).set()
+            try:
+                self.index.end_store(plan, ok=ok)  # not written back: it came from there
+            finally:
+                _fetched(self._fetching, ends)
         remote.fetched(len(plan.hashes))
         ready, whole = _ready_or_fetched(self.index, self._fetching, keys, waits)
         return ready, self.index.begin_load(ready, touch=False), whole
