@@ -21,6 +21,7 @@ import anyio
 import anyio.from_thread
 import anyio.to_thread
 import pytest
+import torch
 
 from asyncpin import KVLayout
 from asyncpin.testing import FakeBackend
@@ -1035,6 +1036,56 @@ async def test_a_block_cleared_while_fetched_and_fetched_again_ends_both_fetches
             for part, blocks in held:  # the restores' loads over
                 tier.index.end_load(part, blocks)
             await nothing_held(tier)
+
+
+@pytest.mark.redis
+async def test_a_block_waited_for_is_kept_while_the_next_is_waited_for(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """A review: restore B meets two blocks other restores are fetching (A1's, A2's) and
+    waits for each; the first, loadable once A1 is over, is kept from eviction while B
+    waits for the second (before, a store in between evicted it and B got 0 of 2)."""
+    from asyncpin.tier import _FetchSink
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(redis_server.url, redis_keyspace, host_blocks=BLOCKS) as (
+            tier,
+            layout,
+        ):
+            remote = tier.remote
+            assert remote is not None
+            x1, x2 = 4100, 4101
+            kept = await stored_and_forgotten(tier, layout, [x1, x2])
+            held: list[tuple[list[int | bytes], list[int]]] = []  # the A restores'
+            a1 = _FetchSink(tier, remote, held, tier.index.stats().removed_blocks, [])
+            a2 = _FetchSink(tier, remote, held, tier.index.stats().removed_blocks, [])
+            for sink, h in ((a1, x1), (a2, x2)):  # each reserves its block, fills it
+                block = sink.reserve(h, 0)
+                assert block is not None
+                data = torch.cat([k[[0 if h == x1 else 1]].flatten() for k in kept])
+                torch.frombuffer(block, dtype=torch.uint8).copy_(data)
+            got: list[int] = []
+
+            async def b() -> None:
+                got.append(await tier.restore([x1, x2], [20, 21]))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(b)
+                await anyio.wait_all_tasks_blocked()  # B's fetch over: waiting for A1
+                a1.commit(0, [x1], 1)
+                for part, blocks in held:  # A1's load over
+                    tier.index.end_load(part, blocks)
+                held.clear()
+                await anyio.wait_all_tasks_blocked()  # B waiting for A2 now
+                fresh = list(range(9000, 9000 + BLOCKS))  # every evictable block goes
+                await tier.store(fresh, list(range(BLOCKS))).transfer
+                a2.commit(0, [x2], 1)
+            for part, blocks in held:
+                tier.index.end_load(part, blocks)
+            for sink in (a1, a2):
+                sink.close()
+            assert got == [2], got
+            assert same(layout, [20, 21], kept)
 
 
 @pytest.mark.redis

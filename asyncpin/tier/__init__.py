@@ -258,7 +258,7 @@ class _FetchSink:
         remote: RemoteLink,
         held: list[tuple[list[BlockHash], list[int]]],
         removed: int,
-        waits: list[anyio.Event],
+        waits: list[tuple[BlockHash, anyio.Event]],
     ) -> None:
         self._index = tier.index
         self._fetching = tier._fetching
@@ -320,7 +320,7 @@ def _ready_or_fetched(
     index: BlockIndex,
     fetching: dict[BlockHash, anyio.Event],
     hashes: Sequence[BlockHash],
-    waits: list[anyio.Event],
+    waits: list[tuple[BlockHash, anyio.Event]],
 ) -> tuple[list[BlockHash], bool]:
     """Of ``hashes`` (a fetched part's leading valid ones), those loadable now, and
     whether every one is loadable or being fetched by another restore (whose end is
@@ -330,7 +330,7 @@ def _ready_or_fetched(
         if h in index:
             ready.append(h)
         elif h in fetching:  # another restore's: the run goes on, its end waited for
-            waits.append(fetching[h])
+            waits.append((h, fetching[h]))
         else:
             return ready, False
     return ready, True
@@ -737,7 +737,7 @@ class KVTier:
 
             # Ends of other restores' fetches of blocks of this run, waited for before the
             # run is looked up again.
-            waits: list[anyio.Event] = []
+            waits: list[tuple[BlockHash, anyio.Event]] = []
 
             async def into(part: Sequence[BlockHash], payloads: list[memoryview]) -> bool:
                 ready, blocks, whole = await self._into_host(list(part), payloads, remote, waits)
@@ -765,8 +765,10 @@ class KVTier:
                         sink.close()
                 else:  # each part goes into host blocks while the next is read
                     await remote.fetch_into(run, into)
-                for fetched in waits:  # other restores' fetches of blocks of this run
+                for h, fetched in waits:  # other restores' fetches of blocks of this run
                     await fetched.wait()
+                    if h in self.index:  # kept from eviction from now on, as the fetched
+                        held.append(([h], self.index.begin_load([h], touch=False)))
                 n = self.index.lookup(keys)
                 transfer = self.load(keys[:n], gpu[:n], method=method) if n else None
             finally:
@@ -785,7 +787,7 @@ class KVTier:
         keys: list[BlockHash],
         payloads: list[memoryview],
         remote: RemoteLink,
-        waits: list[anyio.Event],
+        waits: list[tuple[BlockHash, anyio.Event]],
     ) -> tuple[list[BlockHash], list[int], bool]:
         """Fetched blocks into host blocks the index gives them, then indexed. Returns
         those loadable now, kept from eviction (``index.end_load`` them), and whether
