@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -80,9 +81,13 @@ def _is_int(value: Any) -> bool:
 def check_num_host_blocks(value: Any) -> int:
     """``value`` as an int (any integer type, NumPy's too, as block ids take them; never a
     bool or a tensor), or ConfigError."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ConfigError(f"num_host_blocks must be an int >= 1, got {value!r}")
-    return int(value)
+    # The int it is, whatever an int subclass's comparisons say.
+    count = int.__index__(value) if isinstance(value, int) else operator.index(value)
+    if count < 1:
+        raise ConfigError(f"num_host_blocks must be an int >= 1, got {value!r}")
+    return count
 
 
 def _check_threads(knob: str, value: Any) -> int:

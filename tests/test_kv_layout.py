@@ -129,6 +129,26 @@ class TestBadLayout:
         with pytest.raises(ConfigError, match="num_host_blocks"):
             OffloadManager.for_kv(layout, num_host_blocks, backend=FakeBackend())
 
+    def test_an_int_whose_comparisons_lie_is_taken_for_what_it_is(self) -> None:
+        """A hostile trial: an int subclass that says it is never below 1 (0 made an
+        index with no room). The count is the plain int it is."""
+        from asyncpin.tier import BlockIndex
+
+        class Lying(int):
+            def __lt__(self, other: object) -> bool:
+                return False
+
+            def __gt__(self, other: object) -> bool:
+                return False
+
+        layout = KVLayout.from_tensors(_tensors_of((4, 8)))
+        with pytest.raises(ConfigError, match="num_host_blocks"):
+            OffloadManager.for_kv(layout, Lying(0), backend=FakeBackend())
+        with pytest.raises(ConfigError, match="num_host_blocks"):
+            BlockIndex(Lying(0))
+        index = BlockIndex(Lying(3))
+        assert type(index.num_host_blocks) is int and index.num_host_blocks == 3
+
     async def test_for_kv_takes_numpy_integers(self) -> None:
         """Any integer type counts as blocks (a newcomer's trial: np.int64(4) was refused
         as 'must be an int', although block ids take NumPy's)."""

@@ -113,10 +113,11 @@ class BlockIndex:
         if (
             isinstance(num_host_blocks, bool)
             or not isinstance(num_host_blocks, int)
-            or num_host_blocks < 1
+            # the int it is, whatever a subclass's comparisons say
+            or int.__index__(num_host_blocks) < 1
         ):
             raise ConfigError(f"num_host_blocks must be an int >= 1, got {num_host_blocks!r}")
-        self.num_host_blocks = num_host_blocks
+        self.num_host_blocks = int.__index__(num_host_blocks)
         self._policy: EvictionPolicy = make_policy(policy, num_host_blocks)
         self._entries: dict[BlockHash, _Entry] = {}
         # Free host blocks, lowest first out (popped from the end).
