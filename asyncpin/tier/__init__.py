@@ -354,9 +354,8 @@ class KVTier:
     restore's direct fetch (16 blocks each) read at once, each on a connection and in a
     worker thread of its own (None: 4 from a cluster, 2 from one server; at most 64; a
     fetch through the client's values reads one part at a time and checks up to this
-    many at once). Leaving
-    the tier gives pending writes ``flush_timeout_s``, drops the rest (counted) and
-    closes the store."""
+    many at once). Leaving the tier gives pending writes ``flush_timeout_s``, drops the
+    rest (counted) and closes the store."""
 
     def __init__(
         self,

@@ -118,10 +118,10 @@ class BlockIndex:
         ):
             raise ConfigError(f"num_host_blocks must be an int >= 1, got {num_host_blocks!r}")
         self.num_host_blocks = int.__index__(num_host_blocks)
-        self._policy: EvictionPolicy = make_policy(policy, num_host_blocks)
+        self._policy: EvictionPolicy = make_policy(policy, self.num_host_blocks)
         self._entries: dict[BlockHash, _Entry] = {}
         # Free host blocks, lowest first out (popped from the end).
-        self._free = list(range(num_host_blocks - 1, -1, -1))
+        self._free = list(range(self.num_host_blocks - 1, -1, -1))
         # Host blocks dropped from the index whose copies are still running: users left.
         self._draining: dict[int, int] = {}
         self._listeners: list[Callable[[BlockEvent], None]] = []

@@ -1346,12 +1346,13 @@ class RemoteLink:
         *,
         task_status: Any,
     ) -> None:
-        """The writer: batches of queued blocks, each held (``hold(hash, block)``: False
-        if the block no longer holds that hash, evicted or removed meanwhile: skipped)
-        only while a worker thread reads it: sends it to the store (``direct_writes``:
-        one pipelined write from the host blocks themselves), or copies it out for one
-        pipelined write of the copies. When it ends (the tier's close, or a failure),
-        what is still queued is dropped and counted."""
+        """The writers (``WRITERS`` at once, taking turns at the queue): batches of
+        queued blocks, each held (``hold(hash, block)``: False if the block no longer
+        holds that hash, evicted or removed meanwhile: skipped) only while a worker
+        thread reads it: sends it to the store (``direct_writes``: one pipelined write
+        from the host blocks themselves), or copies it out for one pipelined write of
+        the copies. When it ends (the tier's close, or a failure), what is still queued
+        is dropped and counted."""
         self.running = True
         task_status.started()
 
