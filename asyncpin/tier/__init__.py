@@ -16,7 +16,7 @@ type checking only, ``block_ids`` by the call that checks device block ids), so
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
@@ -267,6 +267,8 @@ class _FetchSink:
         self._held = held
         self._waits = waits
         self._removed = removed  # the index's removals when the run was found
+        # Hashes another restore was fetching when this one read them (into spares).
+        self._others: set[BlockHash] = set()
         # Reserved, by part, in order.
         self._parts: dict[int, list[tuple[BlockHash, StorePlan, anyio.Event]]] = {}
 
@@ -276,6 +278,8 @@ class _FetchSink:
         plan = self._index.begin_store([block_hash])
         if not plan.hashes:  # on the host, being stored by another, or no room
             self._index.end_store(plan, ok=False)
+            if block_hash in self._fetching:
+                self._others.add(block_hash)
             return None
         fetched = self._fetching[block_hash] = anyio.Event()  # set once loadable or freed
         self._parts.setdefault(k, []).append((block_hash, plan, fetched))
@@ -300,7 +304,9 @@ class _FetchSink:
         finally:
             _fetched(self._fetching, [(h, e) for h, _, e in reserved])
         self._remote.fetched(sum(1 for h, _, _ in reserved if h in good))
-        ready, whole = _ready_or_fetched(self._index, self._fetching, part[:valid], self._waits)
+        ready, whole = _ready_or_fetched(
+            self._index, self._fetching, part[:valid], self._waits, self._others
+        )
         self._held.append((ready, self._index.begin_load(ready, touch=False)))
         return whole and valid == len(part) and self._index.stats().removed_blocks == self._removed
 
@@ -321,19 +327,30 @@ def _ready_or_fetched(
     fetching: dict[BlockHash, anyio.Event],
     hashes: Sequence[BlockHash],
     waits: list[tuple[BlockHash, anyio.Event]],
+    others: Collection[BlockHash],
 ) -> tuple[list[BlockHash], bool]:
     """Of ``hashes`` (a fetched part's leading valid ones), those loadable now, and
-    whether every one is loadable or being fetched by another restore (whose end is
-    added to ``waits``): False at the first that is neither (no room for it, say)."""
+    whether every one is loadable or another restore's (``others``: being fetched by
+    another when this one read it): its end, or that it has ended, added to ``waits``.
+    False at the first that is neither (no room for it, say)."""
     ready: list[BlockHash] = []
     for h in hashes:
         if h in index:
             ready.append(h)
         elif h in fetching:  # another restore's: the run goes on, its end waited for
             waits.append((h, fetching[h]))
+        elif h in others:  # another's, ended without it: fetched again after this run
+            ended = anyio.Event()
+            ended.set()
+            waits.append((h, ended))
         else:
             return ready, False
     return ready, True
+
+
+# Fetches of a restore's run: again where another restore fetching one of its blocks
+# let it go (its own run ended before it, or it was cancelled).
+_FETCH_ROUNDS = 3
 
 
 class KVTier:
@@ -744,31 +761,44 @@ class KVTier:
                 return whole and self.index.stats().removed_blocks == removed
 
             try:
-                # The run: up to the next block the host has, at most what it can hold
-                # besides the hits. A hash it names twice is fetched once (the parts are
-                # read at once: a later copy would take the earlier's block); the lookup
-                # after the fetch finds it in both places.
-                end = n
-                while (
-                    end < len(keys)
-                    and end - n < self.index.num_host_blocks - n
-                    and keys[end] not in self.index
-                ):
-                    end += 1
-                run = list(dict.fromkeys(keys[n:end]))
-                if remote.direct:  # read straight into host blocks
-                    sink = _FetchSink(self, remote, held, removed, waits)
-                    try:
-                        await remote.fetch_direct(run, sink)
-                    finally:
-                        sink.close()
-                else:  # each part goes into host blocks while the next is read
-                    await remote.fetch_into(run, into)
-                for h, fetched in waits:  # other restores' fetches of blocks of this run
-                    await fetched.wait()
-                    if h in self.index:  # kept from eviction from now on, as the fetched
-                        held.append(([h], self.index.begin_load([h], touch=False)))
-                n = self.index.lookup(keys)
+                for _ in range(_FETCH_ROUNDS):
+                    # The run: up to the next block the host has, at most what it can
+                    # hold besides the hits. A hash it names twice is fetched once (the
+                    # parts are read at once: a later copy would take the earlier's
+                    # block); the lookup after the fetch finds it in both places.
+                    end = n
+                    while (
+                        end < len(keys)
+                        and end - n < self.index.num_host_blocks - n
+                        and keys[end] not in self.index
+                    ):
+                        end += 1
+                    run = list(dict.fromkeys(keys[n:end]))
+                    waits.clear()
+                    if remote.direct:  # read straight into host blocks
+                        sink = _FetchSink(self, remote, held, removed, waits)
+                        try:
+                            await remote.fetch_direct(run, sink)
+                        finally:
+                            sink.close()
+                    else:  # each part goes into host blocks while the next is read
+                        await remote.fetch_into(run, into)
+                    given_up: set[BlockHash] = set()
+                    for h, fetched in waits:  # other restores' fetches of this run's blocks
+                        await fetched.wait()
+                        if h in self.index:  # kept from eviction from now on, as fetched
+                            held.append(([h], self.index.begin_load([h], touch=False)))
+                        else:  # that restore's run ended before it, or it was cancelled
+                            given_up.add(h)
+                    n = self.index.lookup(keys)
+                    # Round again only where the run stops at a block another restore
+                    # was fetching and let go: this one fetches it (and what follows).
+                    if (
+                        n == len(keys)
+                        or keys[n] not in given_up
+                        or self.index.stats().removed_blocks != removed
+                    ):
+                        break
                 transfer = self.load(keys[:n], gpu[:n], method=method) if n else None
             finally:
                 for part, blocks in held:
@@ -797,6 +827,7 @@ class KVTier:
         # host memory mapped meanwhile.
         work = [(self.manager.host_bytes(), dict(zip(keys, payloads, strict=True)))]
         plan = self.index.begin_store(keys)
+        others = {h for h in plan.present if h in self._fetching}  # another restore's
         ends = [(h, anyio.Event()) for h in plan.hashes]  # set once loadable or freed
         self._fetching.update(ends)
 
@@ -820,7 +851,7 @@ class KVTier:
             finally:
                 _fetched(self._fetching, ends)
         remote.fetched(len(plan.hashes))
-        ready, whole = _ready_or_fetched(self.index, self._fetching, keys, waits)
+        ready, whole = _ready_or_fetched(self.index, self._fetching, keys, waits, others)
         return ready, self.index.begin_load(ready, touch=False), whole
 
     def stats(self) -> TierStats:
