@@ -1089,14 +1089,20 @@ async def test_a_block_waited_for_is_kept_while_the_next_is_waited_for(
 
 
 @pytest.mark.redis
+@pytest.mark.parametrize("when", ["waited for", "before B's part is in"])
 @pytest.mark.parametrize("direct_reads", [True, False])
 async def test_a_block_another_restore_lets_go_is_fetched_again(
-    direct_reads: bool, redis_server: RedisServer, redis_keyspace: str
+    direct_reads: bool,
+    when: str,
+    redis_server: RedisServer,
+    redis_keyspace: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A hostile trial: restore B's run meets a block restore A is fetching, which B
-    waits for; A lets it go (its own run ended before it: freed, not made loadable). B
-    fetches it again itself and gets its whole run (before: 0 of 2, the server holding
-    both)."""
+    """Hostile trials: restore B's run meets a block restore A is fetching (B reads it
+    into a spare); A lets it go (its own run ended before it: freed, not made loadable)
+    while B waits for it, or before B's part is in (direct: B's commit; copying: B's
+    copy into host blocks). B fetches it again itself and gets its whole run (before:
+    0 of 2, the server holding both)."""
     from asyncpin.tier import _FetchSink
 
     with anyio.fail_after(TIMEOUT_S):
@@ -1109,67 +1115,36 @@ async def test_a_block_another_restore_lets_go_is_fetched_again(
             kept = await stored_and_forgotten(tier, layout, [x1, x2])
             a = _FetchSink(tier, remote, [], tier.index.stats().removed_blocks, [])
             assert a.reserve(x1, 0) is not None  # A fetching x1
-            got: list[int] = []
-
-            async def b() -> None:
-                got.append(await tier.restore([x1, x2], [20, 21]))
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(b)
-                await anyio.wait_all_tasks_blocked()  # B's fetch over: waiting for A's x1
-                assert not got
-                a.commit(0, [x1], 0)  # A's run ended before x1: let go, freed
-            a.close()
-            assert got == [2], got
-            assert same(layout, [20, 21], kept)
-            assert not tier._fetching
-            await nothing_held(tier)
-
-
-@pytest.mark.redis
-@pytest.mark.parametrize("direct_reads", [True, False])
-async def test_a_block_let_go_before_the_part_that_read_it_is_in_is_fetched_again(
-    direct_reads: bool,
-    redis_server: RedisServer,
-    redis_keyspace: str,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The same, A letting go of the block after B read it (into a spare: A's then) but
-    before B's part is in (direct: B's commit; copying: B's copy into host blocks): B
-    fetches it again and gets its whole run (before the fix: the run ended there)."""
-    from asyncpin.tier import _FetchSink
-
-    with anyio.fail_after(TIMEOUT_S):
-        async with remote_tier(
-            redis_server.url, redis_keyspace, host_blocks=BLOCKS, direct_reads=direct_reads
-        ) as (tier, layout):
-            remote = tier.remote
-            assert remote is not None
-            x1, x2 = 4300, 4301
-            kept = await stored_and_forgotten(tier, layout, [x1, x2])
-            a = _FetchSink(tier, remote, [], tier.index.stats().removed_blocks, [])
-            assert a.reserve(x1, 0) is not None  # A fetching x1
             commit = _FetchSink.commit
 
-            def a_lets_go_first(sink: _FetchSink, k: int, part: Any, valid: int) -> bool:
+            def a_lets_go() -> None:
+                commit(a, 0, [x1], 0)  # A's run ended before x1
+
+            def a_first(sink: _FetchSink, k: int, part: Any, valid: int) -> bool:
                 if sink is not a and x1 in tier._fetching:
-                    commit(a, 0, [x1], 0)  # A's run ended before x1
+                    a_lets_go()
                 return commit(sink, k, part, valid)
 
-            monkeypatch.setattr(_FetchSink, "commit", a_lets_go_first)
             got: list[int] = []
 
             async def b() -> None:
                 got.append(await tier.restore([x1, x2], [20, 21]))
 
-            if direct_reads:
+            if when == "waited for":
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(b)
+                    await anyio.wait_all_tasks_blocked()  # B's fetch over: waiting for x1
+                    assert not got
+                    a_lets_go()
+            elif direct_reads:
+                monkeypatch.setattr(_FetchSink, "commit", a_first)
                 await b()
             else:
                 await remote.copy_limiter.acquire()  # B's copy into host blocks waits
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(b)
                     await anyio.wait_all_tasks_blocked()
-                    commit(a, 0, [x1], 0)  # A lets go meanwhile
+                    a_lets_go()
                     remote.copy_limiter.release()
             a.close()
             assert got == [2], got
