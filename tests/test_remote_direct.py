@@ -281,12 +281,14 @@ async def test_a_run_broken_for_want_of_room_stops_the_direct_fetch(
     run has a gap, so the third part is not fetched, and nothing is evicted for it."""
     from asyncpin.tier import _FetchSink
 
-    dev = 64
     with anyio.fail_after(TIMEOUT_S):
-        async with remote_tier(
-            redis_server.url, redis_keyspace, layout=host_of(dev), host_blocks=dev
-        ) as (tier, layout):
-            hashes, others, held = await a_run_behind_a_held_host(tier, layout)
+        async with a_run_behind_a_held_host(redis_server.url, redis_keyspace) as (
+            tier,
+            _layout,
+            hashes,
+            others,
+            held,
+        ):
             commits: list[tuple[int, bool]] = []
             commit = _FetchSink.commit
 
@@ -943,12 +945,14 @@ async def test_a_part_read_ahead_takes_no_room_an_earlier_part_needs(
     brought back nothing.)"""
     from asyncpin.tier import _FetchSink
 
-    dev = 64
     with anyio.fail_after(TIMEOUT_S):
-        async with remote_tier(
-            redis_server.url, redis_keyspace, layout=host_of(dev), host_blocks=dev
-        ) as (tier, layout):
-            hashes, others, held = await a_run_behind_a_held_host(tier, layout)
+        async with a_run_behind_a_held_host(redis_server.url, redis_keyspace) as (
+            tier,
+            layout,
+            hashes,
+            others,
+            held,
+        ):
             kept = blocks_of(layout, list(range(48)))
             link = tier.remote
             assert link is not None and isinstance(link.store, RedisStore)
@@ -1311,12 +1315,14 @@ async def test_a_deferred_parts_first_read_makes_no_block_loadable(
     or one never written, was loaded, and the restore said 48.)"""
     from asyncpin.tier import _FetchSink
 
-    dev = 64
     with anyio.fail_after(TIMEOUT_S):
-        async with remote_tier(
-            redis_server.url, redis_keyspace, layout=host_of(dev), host_blocks=dev
-        ) as (tier, layout):
-            hashes, others, held = await a_run_behind_a_held_host(tier, layout)
+        async with a_run_behind_a_held_host(redis_server.url, redis_keyspace) as (
+            tier,
+            layout,
+            hashes,
+            others,
+            held,
+        ):
             kept = blocks_of(layout, list(range(48)))
             link = tier.remote
             assert link is not None and isinstance(link.store, RedisStore)

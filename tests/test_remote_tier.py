@@ -668,17 +668,24 @@ def host_of(blocks: int, seed: int = 3) -> KVLayout:
     return KVLayout.from_tensors(kv, block_dim=1)
 
 
+@asynccontextmanager
 async def a_run_behind_a_held_host(
-    tier: KVTier, layout: KVLayout
-) -> tuple[list[int], list[int], list[int]]:
-    """48 blocks on the server only, and another request's 48 blocks on the host (of 64),
-    held by its load: returns the run's hashes, the other's, and its held host blocks."""
-    hashes = list(range(400, 448))
-    await stored_and_forgotten(tier, layout, hashes)
-    others = list(range(900, 948))  # another request's prefix, held by its load
-    await tier.store(others, list(range(48))).transfer
-    await tier.remote_written()
-    return hashes, others, tier.index.begin_load(others)
+    url: str, keyspace: str, **kwargs: Any
+) -> AsyncIterator[tuple[KVTier, KVLayout, list[int], list[int], list[int]]]:
+    """``remote_tier`` of 64 device and host blocks with 48 blocks on the server only,
+    and another request's 48 blocks on the host, held by its load: yields the tier, its
+    layout, the run's hashes, the other's, and its held host blocks."""
+    dev = 64
+    async with remote_tier(url, keyspace, layout=host_of(dev), host_blocks=dev, **kwargs) as (
+        tier,
+        layout,
+    ):
+        hashes = list(range(400, 448))
+        await stored_and_forgotten(tier, layout, hashes)
+        others = list(range(900, 948))  # another request's prefix, held by its load
+        await tier.store(others, list(range(48))).transfer
+        await tier.remote_written()
+        yield tier, layout, hashes, others, tier.index.begin_load(others)
 
 
 async def test_a_broken_run_stops_the_fetch_and_evicts_nothing_for_it(
@@ -687,16 +694,10 @@ async def test_a_broken_run_stops_the_fetch_and_evicts_nothing_for_it(
     """The second part finds no room (another load holds the rest of the host), and room
     comes back before the third part is copied in: the run has a gap, so the third part
     is not stored (review: it was, evicting 16 of another request's cached blocks)."""
-    dev = 64
     with anyio.fail_after(TIMEOUT_S):
-        async with remote_tier(
-            redis_server.url,
-            redis_keyspace,
-            layout=host_of(dev),
-            host_blocks=dev,
-            direct_reads=False,
-        ) as (tier, layout):
-            hashes, others, held = await a_run_behind_a_held_host(tier, layout)
+        async with a_run_behind_a_held_host(
+            redis_server.url, redis_keyspace, direct_reads=False
+        ) as (tier, _layout, hashes, others, held):
             copy_in = tier._into_host
             parts: list[tuple[int, int]] = []
 
