@@ -20,7 +20,7 @@ import pytest
 import structlog
 import torch
 
-from asyncpin import KVLayout, OffloadManager
+from asyncpin import ConfigError, KVLayout, OffloadManager
 from asyncpin.testing import FakeBackend
 from asyncpin.tier import KVTier, RedisStore, RemoteError
 from asyncpin.tier.remote import WRITERS, fingerprint
@@ -123,6 +123,23 @@ async def test_a_forgotten_prefix_comes_back_from_the_server(
                 0,
             )
             assert not remote.degraded and tier.lookup(hashes) == 12  # on the host again
+
+
+async def test_int_hashes_of_any_size_go_to_the_server_and_back(
+    redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """Ints past the interpreter's limit on decimal digits (a hostile trial: the write
+    failed, a lookup marked the tier degraded and a restore raised ValueError)."""
+    hashes = [10**5000, -(10**5000), 2**2048 + 1]
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(redis_server.url, redis_keyspace) as (tier, layout):
+            kept = await stored_and_forgotten(tier, layout, hashes)
+            assert await tier.lookup_remote(hashes) == 3
+            assert await tier.restore(hashes, [16, 17, 18]) == 3
+            assert same(layout, [16, 17, 18], kept)
+            remote = tier.stats().remote
+            assert remote is not None and not remote.degraded and remote.errors == 0
+            assert (remote.written_blocks, remote.fetched_blocks) == (3, 3)
 
 
 @pytest.mark.parametrize("reads", ["default", "copied"])
@@ -284,6 +301,37 @@ async def test_a_full_queue_drops_and_counts_and_a_store_never_waits(
                 redis_server.resume()
 
 
+@pytest.mark.parametrize("writes", ["direct", "client"])
+async def test_a_write_cut_short_at_close_keeps_no_host_view(
+    writes: str, redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """Writes stuck on a stalled server when the tier is left: the manager then releases
+    its whole mapping, with no view of the host kept by the cancelled writers' frames
+    until a full collection (a hostile trial: 128 KiB stayed mapped, and a collection
+    freed it). Collections are off meanwhile, so that none hides a cycle."""
+    layout = make_layout()
+    store = RedisStore(redis_server.url, timeout_s=5.0, direct_writes=writes == "direct")
+    gc.collect()
+    gc.disable()
+    try:
+        with anyio.fail_after(TIMEOUT_S):
+            async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+                await mgr.pinned
+                tier = KVTier(
+                    mgr, remote=store, namespace=redis_keyspace.rstrip(":"), flush_timeout_s=0.2
+                )
+                redis_server.pause()
+                try:
+                    async with tier:
+                        await tier.store(list(range(8)), list(range(8))).transfer
+                    # left: the writers stuck on the server are cut short at the deadline
+                finally:
+                    redis_server.resume()
+            assert mgr.stats().mapped_by_views_bytes == 0
+    finally:
+        gc.enable()
+
+
 async def test_leaving_the_tier_never_waits_past_its_deadline(
     redis_server: RedisServer, redis_keyspace: str
 ) -> None:
@@ -341,6 +389,33 @@ async def test_credentials_never_show() -> None:
         assert "31337" not in str(info.value)
         await store.aclose()
     assert "s3cret" not in repr(events) and "31337" not in repr(events)
+
+
+def _chain(exc: BaseException | None) -> str:
+    """Every exception an error carries (its cause and context, theirs and so on), as text."""
+    seen: list[str] = []
+    while exc is not None and len(seen) < 20:
+        seen.append(f"{exc!r} {exc.args!r}")
+        exc = exc.__cause__ or exc.__context__
+    return " ".join(seen)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://default:hunter2-secret-pw/x@127.0.0.1:16379/0",  # '/' unencoded
+        "redis://admin:hunter2-secret-pw@127.0.0.1:notaport/0",
+        "redis://:hunter2-secret-pw@[::1/0",
+        "nosuch://admin:hunter2-secret-pw@127.0.0.1:6379/0",
+    ],
+)
+def test_a_bad_url_carries_no_credential_on_its_error(url: str) -> None:
+    """Not in the message, and not on an error it was raised from or while handling
+    (a hostile trial: ``from None`` hid the client's ValueError, which names the
+    password, only from printing; it was still the error's ``__context__``)."""
+    with pytest.raises(ConfigError) as info:
+        RedisStore(url, timeout_s=0.2)
+    assert "hunter2" not in _chain(info.value)
 
 
 async def test_the_remote_counters_are_exported(

@@ -155,6 +155,28 @@ async def test_events_as_an_async_iterator_and_a_slow_reader_loses_only_new_ones
             assert tier.dropped_events == 1
 
 
+@pytest.mark.parametrize(
+    "bad", [-1, 1.5, True, "8", None, 2**70, pytest.param(10**5000, id="10**5000")]
+)
+async def test_a_bad_event_buffer_is_refused_with_no_listener_left(bad: object) -> None:
+    """A hostile trial: -1 and 1.5 raised the async library's bare ValueError."""
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(_layout(), HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            tier = _tier(mgr)
+            with (
+                pytest.raises(ConfigError, match="max_buffer"),
+                tier.subscribe(max_buffer=bad),  # type: ignore[arg-type]
+            ):
+                pass
+            await tier.store([1], [1]).transfer
+            assert tier.dropped_events == 0  # no listener was left behind
+            with tier.subscribe(max_buffer=0) as events:  # every event dropped unless awaited
+                tier.remove([1])
+                assert tier.dropped_events == 1
+                del events
+
+
 async def test_a_refused_call_evicts_nothing_and_touches_nothing() -> None:
     """Everything the manager would refuse (the method, duplicate destinations, another
     thread) is checked before the index changes: a full tier keeps its blocks and their

@@ -33,7 +33,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -519,6 +521,41 @@ def test_a_bool_is_not_in_the_index() -> None:
     assert False not in index
 
 
+class _Liar(int):
+    """An int that says it equals anything, and hashes as 0."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __hash__(self) -> int:
+        return 0
+
+
+class _Bytes(bytes):
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __hash__(self) -> int:
+        return hash(b"")
+
+
+def test_a_subclass_of_int_or_bytes_is_keyed_by_its_value() -> None:
+    """A hostile trial: an int subclass whose comparisons lie was found as hash 0, and a
+    load of it read hash 0's block."""
+    index, events = fresh(4)
+    stored(index, [0, b""])
+    assert index.lookup([_Liar(5)]) == 0 and index.lookup([_Bytes(b"x")]) == 0
+    assert _Liar(5) not in index and _Bytes(b"x") not in index
+    stored(index, [_Liar(5), _Bytes(b"x")])
+    assert index.lookup([5, b"x"]) == 2 and _Liar(5) in index
+    assert [(type(h), h) for _, h, _ in events] == [
+        (int, 0),
+        (bytes, b""),
+        (int, 5),
+        (bytes, b"x"),
+    ]
+
+
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_begin_load_of_a_hash_not_loadable_protects_nothing(policy: str) -> None:
     index, events = fresh(2, policy)
@@ -710,3 +747,54 @@ def test_a_plan_ends_once() -> None:
     with pytest.raises(RuntimeError, match="not under way"):
         index.end_store(plan, ok=False)
     assert index.stats().free_blocks == 2
+
+
+@pytest.mark.parametrize("ok", [1, 0, "yes", None, 1.0, [1, "x"], b"\x01"])
+def test_end_store_refuses_an_ok_that_is_neither_a_bool_nor_hashes(ok: object) -> None:
+    index = BlockIndex(2)
+    plan = index.begin_store([1, 2])
+    with pytest.raises(InvalidTransferError, match="ok"):
+        index.end_store(plan, ok=ok)  # type: ignore[arg-type]
+    assert index.lookup([1, 2]) == 0  # nothing changed: the plan is still under way
+    index.end_store(plan, ok=True)
+    assert index.lookup([1, 2]) == 2 and index.stats().stored_blocks == 2
+
+
+@pytest.mark.parametrize(
+    "ok, stored",
+    [
+        (np.True_, 2),
+        (np.False_, 0),
+        (torch.tensor(True), 2),
+        (torch.tensor([True, True]).all(), 2),
+        (torch.tensor(False), 0),
+        ([1], 1),
+        ({2}, 0),  # the leading hash failed: a lookup of [1, 2] finds nothing
+        ((), 0),
+    ],
+)
+def test_end_store_takes_array_bools_and_the_hashes_that_succeeded(ok: object, stored: int) -> None:
+    index = BlockIndex(2)
+    plan = index.begin_store([1, 2])
+    index.end_store(plan, ok=ok)  # type: ignore[arg-type]
+    assert index.lookup([1, 2]) == stored
+    s = index.stats()
+    assert s.stored_blocks + s.failed_blocks == 2 and s.free_blocks + len(index) == 2
+
+
+def test_messages_name_a_hash_of_any_size() -> None:
+    """An int past the interpreter's limit on decimal digits, and a long bytes hash, are
+    named in errors without raising anything else (a hostile trial: f"{h!r}" of 10**5000
+    raised ValueError in place of the typed error)."""
+    index = BlockIndex(2)
+    for h in (10**5000, b"\x07" * 100_000):
+        with pytest.raises(InvalidTransferError, match="not loadable") as refused:
+            index.begin_load([h])
+        assert len(str(refused.value)) < 200
+        plan = index.begin_store([h])
+        index.end_store(plan, ok=True)
+        blocks = index.begin_load([h])
+        index.end_load([h], blocks)
+        with pytest.raises(RuntimeError, match="ended already") as twice:
+            index.end_load([h], blocks)
+        assert len(str(twice.value)) < 200

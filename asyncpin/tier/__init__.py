@@ -353,6 +353,9 @@ def _ready_or_fetched(
 _FETCH_ROUNDS = 3
 
 
+_MAX_EVENT_BUFFER = 1 << 30
+
+
 class KVTier:
     """Block hashes → the host blocks of ``manager`` (open, with a KV layout).
 
@@ -451,11 +454,17 @@ class KVTier:
             self._entered = True
             _STORES_IN_USE.add(store)
             try:
-                rows = self.manager.host_bytes()
-                self._rows = rows
+                self._rows = self.manager.host_bytes()
 
                 def read_block(block: int) -> memoryview:
-                    return rows[block].numpy().data
+                    # Through the tier, not a view of its own: a writer cut short at the
+                    # tier's close may stay in a reference cycle until a collection, and
+                    # must not keep the host mapped after the manager's close meanwhile.
+                    rows = self._rows
+                    if rows is None:
+                        raise RemoteError("the tier was left: its host blocks are not read")
+                    view: memoryview = rows[block].numpy().data
+                    return view
 
                 tasks = anyio.create_task_group()
                 await tasks.__aenter__()
@@ -681,8 +690,17 @@ class KVTier:
         """The events as an async iterator: ``with tier.subscribe() as events: async for
         event in events: ...`` (from a task of its own, say). Up to ``max_buffer`` events
         wait for the reader; past that, new ones are dropped and counted in
-        ``dropped_events``, so a slow reader never holds up the index. Leaving the block
-        ends the subscription."""
+        ``dropped_events``, so a slow reader never holds up the index (an int from 0 to
+        2**30, else ConfigError). Leaving the block ends the subscription."""
+        if (
+            isinstance(max_buffer, bool)
+            or not isinstance(max_buffer, int)
+            or not 0 <= max_buffer <= _MAX_EVENT_BUFFER
+        ):
+            raise ConfigError(
+                f"max_buffer is an int from 0 to {_MAX_EVENT_BUFFER} "
+                f"(a {type(max_buffer).__name__} was given)"
+            )
         send, receive = anyio.create_memory_object_stream[BlockEvent](max_buffer)
 
         def deliver(event: BlockEvent) -> None:

@@ -167,7 +167,7 @@ class BlockIndex:
     def __contains__(self, block_hash: object) -> bool:
         if not isinstance(block_hash, int | bytes) or isinstance(block_hash, bool):
             return False
-        entry = self._entries.get(block_hash)
+        entry = self._entries.get(_checked(block_hash))
         return entry is not None and entry.ready
 
     def __len__(self) -> int:
@@ -256,10 +256,13 @@ class BlockIndex:
 
     def end_store(self, plan: StorePlan, *, ok: bool | Collection[BlockHash]) -> None:
         """The plan's copy is over: its blocks become loadable (``ok``), or are freed.
-        ``ok`` may name the hashes whose copy succeeded (the others are freed). Once per
-        plan (RuntimeError, nothing changed, for a plan already ended)."""
+        ``ok`` may name the hashes whose copy succeeded (the others are freed); a 0-d
+        boolean array (numpy's ``bool_``, a torch ``all()``) counts as its bool. Once per
+        plan (RuntimeError, nothing changed, for a plan already ended); an ``ok`` of
+        another kind is refused (InvalidTransferError), nothing changed."""
         if id(plan) not in self._open_plans:
             raise RuntimeError("end_store of a plan that is not under way (ended already?)")
+        ok = _ok_of(ok)
         self._open_plans.discard(id(plan))
         for h, block in zip(plan.hashes, plan.host_blocks, strict=True):
             entry = self._entries.get(h)
@@ -267,7 +270,7 @@ class BlockIndex:
                 # Removed while its copy ran: the block drained with the copy.
                 self._release_user(block)
                 continue
-            if ok is True or (not isinstance(ok, bool) and h in ok):
+            if ok is True or (ok is not False and h in ok):
                 entry.ready = True
                 self._resident += 1
                 self._policy.insert(h)
@@ -307,7 +310,7 @@ class BlockIndex:
         for h in all_checked(hashes):
             entry = self._entries.get(h)
             if entry is None or not entry.ready:
-                raise InvalidTransferError(f"block hash {h!r} is not loadable (lookup first)")
+                raise InvalidTransferError(f"block hash {shown(h)} is not loadable (lookup first)")
             entries.append((h, entry))
         for h, entry in entries:
             if entry.readers == 0:
@@ -343,7 +346,7 @@ class BlockIndex:
                     draining.append(block)
                 if not held:
                     raise RuntimeError(
-                        f"end_load of block hash {h!r} in host block {block!r}: no load "
+                        f"end_load of block hash {shown(h)} in host block {block!r}: no load "
                         "under way holds it (ended already?)"
                     )
         except BaseException:
@@ -407,6 +410,30 @@ class BlockIndex:
             self._free.append(block)
 
 
+def shown(h: BlockHash) -> str:
+    """A hash in a message: an int too large to write in decimal (the interpreter limits
+    that) in hex, and anything long cut short."""
+    text = hex(h) if isinstance(h, int) and h.bit_length() > 2048 else repr(h)
+    return text if len(text) <= 80 else f"{text[:40]}...{text[-20:]} ({len(text)} chars)"
+
+
+def _ok_of(ok: object) -> bool | frozenset[BlockHash]:
+    """``end_store``'s ``ok``: a bool, a 0-d boolean array's bool, or the set of the hashes
+    named."""
+    if isinstance(ok, bool):
+        return ok
+    if getattr(ok, "shape", None) == () and str(getattr(ok, "dtype", "")) in ("bool", "torch.bool"):
+        return bool(ok)
+    if isinstance(ok, Collection) and not isinstance(ok, (str, bytes, bytearray, memoryview)):
+        try:
+            return frozenset(all_checked(ok))
+        except InvalidTransferError as e:
+            raise InvalidTransferError(f"end_store's ok names a bad hash: {e}") from None
+    raise InvalidTransferError(
+        f"end_store's ok is a bool or the hashes whose copy succeeded, not {type(ok).__name__}"
+    )
+
+
 def all_checked(hashes: Iterable[object]) -> list[BlockHash]:
     """Every hash checked before any is used: a bad one changes nothing."""
     if isinstance(hashes, (str, bytes, bytearray, memoryview)) or not isinstance(hashes, Iterable):
@@ -418,6 +445,12 @@ def all_checked(hashes: Iterable[object]) -> list[BlockHash]:
 
 
 def _checked(h: object) -> BlockHash:
-    if isinstance(h, bytes) or (isinstance(h, int) and not isinstance(h, bool)):
+    """A hash as a plain int or bytes: a subclass is keyed by its value, whatever its
+    comparisons and hash say."""
+    if type(h) is int or type(h) is bytes:
         return h
+    if isinstance(h, bytes):
+        return bytes(memoryview(h))
+    if isinstance(h, int) and not isinstance(h, bool):
+        return int.__index__(h)
     raise InvalidTransferError(f"a block hash is an int or bytes, not {type(h).__name__}")

@@ -184,6 +184,7 @@ class RedisStore:
         # What the server may quote back in an error (a HELLO's or an AUTH's arguments):
         # taken out of every message of ours, as the URL's credentials are.
         self._secrets = _secrets_of(url, client_options)
+        usable = True
         try:
             if cluster:
                 self._client: Any = redis.asyncio.cluster.RedisCluster.from_url(url, **options)
@@ -196,7 +197,10 @@ class RedisStore:
                 )
                 self._client = redis.asyncio.Redis.from_url(url, **{"retry": retry, **options})
         except Exception:  # ValueError, TypeError, redis-py's own errors of an option
-            raise ConfigError(f"not a usable Redis URL or option for {self._where}") from None
+            usable = False
+        if not usable:  # raised here, not in the except: the client's error may name a
+            # credential, and would be this one's __context__ ("from None" only hides it)
+            raise ConfigError(f"not a usable Redis URL or option for {self._where}")
         self.cluster = cluster
         # A cluster given no choice goes direct where its options allow, and through
         # redis-py's cluster client where they are for that client alone
@@ -1022,8 +1026,15 @@ def fingerprint(
 
 
 def hash_digest(block_hash: int | bytes) -> bytes:
-    """16 bytes naming a block hash (ints and bytes never collide)."""
-    raw = b"b" + block_hash if isinstance(block_hash, bytes) else b"i%d" % block_hash
+    """16 bytes naming a block hash (ints and bytes never collide). An int is named in
+    decimal up to 2048 bits (fewer digits than the lowest limit an interpreter may set on
+    ints written in decimal) and in hex beyond, so that an int of any size has a name."""
+    if isinstance(block_hash, bytes):
+        raw = b"b" + block_hash
+    elif block_hash.bit_length() <= 2048:
+        raw = b"i%d" % block_hash
+    else:
+        raw = b"x%x" % block_hash
     return hashlib.blake2b(raw, digest_size=16).digest()
 
 
