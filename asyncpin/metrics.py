@@ -362,6 +362,11 @@ def _remote_metrics(r: RemoteStats) -> Iterator[Metric]:
             "Blocks not written: queue full, or cut short at close",
             r.dropped_blocks,
         ),
+        (
+            "skipped_blocks",
+            "Blocks not written: they left the host before their turn",
+            r.skipped_blocks,
+        ),
         ("failed_writes", "Blocks whose write the server failed", r.failed_writes),
         ("errors", "Operations the server failed (refused, timed out, full)", r.errors),
     ):

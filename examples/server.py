@@ -46,7 +46,18 @@ arguments of :func:`create_app`, or else from the environment:
   read these blocks (empty).
 """
 
+# ruff: noqa: E402 (the imports below come after the signals are held)
 from __future__ import annotations
+
+import signal
+
+# Run as a program, the shut-down signals are held from here, before the imports below
+# (torch's takes seconds): one that comes meanwhile is noted, and main() exits 0 at once
+# without starting anything, instead of the process dying of its default action.
+_EARLY_SIGNALS: list[int] = []
+if __name__ == "__main__":
+    for _signum in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
+        signal.signal(getattr(signal, _signum), lambda n, _frame: _EARLY_SIGNALS.append(n))
 
 import argparse
 import asyncio
@@ -54,6 +65,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 
@@ -328,7 +340,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     The signals are held from before uvicorn starts until it has returned, so none finds
     a default handler while the manager is open or closing (see ``_Server``).
     """
-    parser = argparse.ArgumentParser(prog="python -m examples.server", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m examples.server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -346,6 +362,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_level=args.log_level,
     )
     with SignalGuard(SHUTDOWN_SIGNALS) as guard:
+        if _EARLY_SIGNALS:  # held since the first line: nothing was started
+            name = signal.Signals(_EARLY_SIGNALS[0]).name
+            print(f"{name} during start-up: exiting, nothing started", file=sys.stderr)
+            return
         _Server(config, guard).run()
 
 

@@ -325,3 +325,43 @@ class TestServerSecondSignal:
             assert_server_closed(code, path, out, err)
         finally:
             path.unlink(missing_ok=True)
+
+
+STARTING = """
+import os, runpy, signal, sys
+
+SIGNUM = signal.Signals[sys.argv[1]]
+
+class Trip:
+    \"\"\"Sends the signal to this process when the server module first imports uvicorn.\"\"\"
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "uvicorn":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), SIGNUM)
+        return None
+
+sys.meta_path.insert(0, Trip())
+sys.argv = ["examples.server", "--port", "0"]
+runpy.run_module("examples.server", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("signum", SHUTDOWN_SIGNALS, ids=signal_id)
+def test_a_signal_while_the_server_starts_up_exits_0(signum: signal.Signals) -> None:
+    """A signal while the server's module is still importing (a newcomer's trial: SIGUSR1
+    three seconds after start, during torch's import, ended the process by its default
+    action, exit 138): noted from the module's first line, and the server exits 0 with
+    nothing started."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    done = subprocess.run(
+        [sys.executable, "-c", STARTING, signum.name],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env={**os.environ, "PYTHONPATH": path},
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"{signum.name} during start-up: exiting, nothing started" in done.stderr
+    assert "Uvicorn running" not in done.stderr and "Traceback" not in done.stderr
