@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from asyncpin import _sys
 from asyncpin._mapping import HUGE_PAGE
+from asyncpin._text import shown
 from asyncpin.abc import EngineFactory
 from asyncpin.engines import check_engine_choice
 from asyncpin.errors import ConfigError
@@ -82,18 +83,19 @@ def check_num_host_blocks(value: Any) -> int:
     """``value`` as an int (any integer type, NumPy's too, as block ids take them; never a
     bool or a tensor), or ConfigError."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ConfigError(f"num_host_blocks must be an int >= 1, got {value!r}")
+        raise ConfigError(f"num_host_blocks must be an int >= 1, got {shown(value)}")
     # The int it is, whatever an int subclass's comparisons say.
     count = int.__index__(value) if isinstance(value, int) else operator.index(value)
     if count < 1:
-        raise ConfigError(f"num_host_blocks must be an int >= 1, got {value!r}")
+        raise ConfigError(f"num_host_blocks must be an int >= 1, got {shown(value)}")
     return count
 
 
 def _check_threads(knob: str, value: Any) -> int:
     if not _is_int(value) or not 1 <= value <= MAX_THREADS:
         raise ConfigError(
-            f"{knob} must be an int >= 1 and <= {MAX_THREADS} (each is a thread), got {value!r}"
+            f"{knob} must be an int >= 1 and <= {MAX_THREADS} (each is a thread), "
+            f"got {shown(value)}"
         )
     return int(value)
 
@@ -106,7 +108,7 @@ def _check_chunk_bytes(chunk_bytes: Any, hugepages: HugePages) -> int:
         )
     if not _is_int(chunk_bytes) or chunk_bytes <= 0 or chunk_bytes % _sys.PAGE_SIZE:
         raise ConfigError(
-            f"chunk_bytes={chunk_bytes!r} must be a positive multiple of the page size "
+            f"chunk_bytes={shown(chunk_bytes)} must be a positive multiple of the page size "
             f"({_sys.PAGE_SIZE})"
         )
     return int(chunk_bytes)
@@ -179,7 +181,7 @@ class ManagerConfig:
             or not 0 <= pin_interval_s < math.inf
         ):
             raise ConfigError(
-                f"pin_interval_s must be a finite number >= 0, got {pin_interval_s!r}"
+                f"pin_interval_s must be a finite number >= 0, got {shown(pin_interval_s)}"
             )
         if (kv_layout is None) != (num_host_blocks is None):
             raise ConfigError("kv_layout and num_host_blocks go together")
@@ -206,7 +208,7 @@ class ManagerConfig:
             raise ConfigError("host_slice is for a KV manager (OffloadManager.for_kv)")
         if unpinned_policy not in ("wait", "pageable"):
             raise ConfigError(
-                f"unpinned_policy must be 'wait' or 'pageable', not {unpinned_policy!r}"
+                f"unpinned_policy must be 'wait' or 'pageable', not {shown(unpinned_policy)}"
             )
         return cls(
             nbytes=size,
@@ -250,6 +252,6 @@ def check_host_slice(host_slice: object) -> tuple[int, int]:
         or not 0 <= host_slice[0] < host_slice[1]
     ):
         raise ConfigError(
-            f"host_slice must be (rank, ranks) with 0 <= rank < ranks, got {host_slice!r}"
+            f"host_slice must be (rank, ranks) with 0 <= rank < ranks, got {shown(host_slice)}"
         )
     return (int(host_slice[0]), int(host_slice[1]))

@@ -16,6 +16,7 @@ from typing import Any, cast, get_args
 import anyio
 
 from asyncpin._config import UnpinnedPolicy
+from asyncpin._text import shown
 from asyncpin.abc import TransferEngine
 from asyncpin.chunks import ChunkTable
 from asyncpin.errors import InvalidTransferError, TransferError
@@ -328,8 +329,8 @@ def check_arrays(arrays: object, num_arrays: int) -> None:
             f"arrays must be a range of array indices, not {type(arrays).__name__}"
         )
     if not arrays or arrays.step != 1:
-        raise InvalidTransferError(f"arrays must be non-empty and consecutive, got {arrays}")
+        raise InvalidTransferError(f"arrays must be non-empty and consecutive, got {shown(arrays)}")
     if arrays.start < 0 or arrays.stop > num_arrays:
         raise InvalidTransferError(
-            f"arrays {arrays} is outside the layout's range(0, {num_arrays})"
+            f"arrays {shown(arrays)} is outside the layout's range(0, {num_arrays})"
         )

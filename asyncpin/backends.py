@@ -12,6 +12,7 @@ import inspect
 import numbers
 
 from asyncpin import _sys
+from asyncpin._text import shown
 from asyncpin.abc import PinBackend
 from asyncpin.errors import BackendCallError, BackendUnavailableError, ConfigError, PreflightError
 
@@ -90,7 +91,7 @@ def resolve_backend(backend: str | PinBackend, device: int | None = None) -> Pin
         # Any integer type (NumPy's too), never a bool or a tensor.
         if isinstance(device, bool) or not isinstance(device, numbers.Integral) or device < 0:
             raise ConfigError(
-                f"device must be None or a device index (an int >= 0), got {device!r}"
+                f"device must be None or a device index (an int >= 0), got {shown(device)}"
             )
         device = int(device)
     if not isinstance(backend, str):

@@ -144,7 +144,8 @@ class _Report:
                 (": backend ", ""),
                 (backend.name, "cyan"),
                 (
-                    f", {format_bytes(nbytes)} {args.backing}, chunks of {chunk_bytes >> 20} MiB, "
+                    f", {format_bytes(nbytes)} {args.backing}"
+                    f" in {_in_chunks(nbytes, chunk_bytes)}, "
                     f"{args.prefault_threads} prefault / {args.pin_threads} pin threads",
                     "",
                 ),
@@ -255,6 +256,13 @@ class _ProgressContext:
 
 def _chunks(count: int) -> str:
     return f"{count} chunk" if count == 1 else f"{count} chunks"
+
+
+def _in_chunks(nbytes: int, chunk_bytes: int) -> str:
+    """``"1 chunk"``, or ``"256 chunks of 16.00 MiB"`` (a buffer smaller than the chunk
+    size is one chunk of its own size)."""
+    count = -(-nbytes // chunk_bytes)
+    return _chunks(count) if count == 1 else f"{_chunks(count)} of {format_bytes(chunk_bytes)}"
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:

@@ -27,6 +27,7 @@ from asyncpin._log import ShieldedLog
 from asyncpin._opened import Opened, no_stats_fields
 from asyncpin._router import TransferRouter
 from asyncpin._tasks import OwnedTasks
+from asyncpin._text import shown
 from asyncpin.abc import EngineFactory, PinBackend, TransferEngine
 from asyncpin.backends import resolve_backend
 from asyncpin.errors import (
@@ -369,7 +370,7 @@ class OffloadManager:
             raise ConfigError(f"an array index is an int, not {type(array).__name__}")
         array = int(array)
         if not 0 <= array < layout.num_arrays:
-            raise ConfigError(f"array {array} is outside [0, {layout.num_arrays})")
+            raise ConfigError(f"array {shown(array)} is outside [0, {layout.num_arrays})")
         return host_array_view(self._host_bytes(), layout, array)
 
     def host_bytes(self) -> torch.Tensor:

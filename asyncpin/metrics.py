@@ -70,6 +70,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from asyncpin._text import shown
 from asyncpin.errors import ConfigError
 from asyncpin.stats import TierStats
 from asyncpin.tier.index import BlockIndex
@@ -144,7 +145,7 @@ class OffloadCollector(Collector):
     ) -> None:
         bounds = sorted(float(b) for b in buckets if b != math.inf)
         if not bounds or len(set(bounds)) != len(bounds) or bounds[0] <= 0:
-            raise ValueError(f"buckets must be distinct positive numbers, got {buckets!r}")
+            raise ValueError(f"buckets must be distinct positive numbers, got {shown(buckets)}")
         self._manager = manager
         self._bounds = tuple(bounds)
         self._lock = threading.Lock()
@@ -279,7 +280,7 @@ class TierCollector(Collector):
                 or host_block_bytes < 1
             ):
                 raise ConfigError(
-                    f"host_block_bytes must be an int >= 1 or None, got {host_block_bytes!r}"
+                    f"host_block_bytes must be an int >= 1 or None, got {shown(host_block_bytes)}"
                 )
         elif not isinstance(tier, KVTier):
             raise ConfigError(f"a TierCollector reads a KVTier or a BlockIndex, not {tier!r}")

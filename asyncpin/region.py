@@ -31,6 +31,7 @@ from asyncpin._mapping import (
     map_hugetlb,
     merged,
 )
+from asyncpin._text import shown
 from asyncpin.errors import ConfigError
 from asyncpin.shm import (
     RegionHeader,
@@ -334,14 +335,14 @@ class HostRegion:
         self._check_open()
         for name, value in (("offset", offset), ("nbytes", nbytes)):
             if isinstance(value, bool) or not isinstance(value, int | None):
-                raise ConfigError(f"a view's {name} is an int, not {value!r}")
+                raise ConfigError(f"a view's {name} is an int, not {shown(value)}")
         if nbytes is None:
             nbytes = self.nbytes - offset
         if offset < 0 or nbytes <= 0 or offset + nbytes > self.nbytes:
             if isinstance(nbytes, int) and nbytes <= 0:
-                raise ConfigError(f"a view needs a positive length, not nbytes={nbytes}")
+                raise ConfigError(f"a view needs a positive length, not nbytes={shown(nbytes)}")
             raise ConfigError(
-                f"view of {nbytes!r} bytes at offset {offset!r} is outside the region of "
+                f"view of {shown(nbytes)} bytes at offset {shown(offset)} is outside the region of "
                 f"{self.nbytes} bytes"
             )
         array = (ctypes.c_uint8 * nbytes).from_address(self._address + offset)
@@ -469,9 +470,11 @@ def validate_nbytes(nbytes: int) -> int:
     if isinstance(nbytes, bool) or not isinstance(nbytes, int):
         raise ConfigError(f"nbytes must be an int, not {type(nbytes).__name__}")
     if nbytes <= 0:
-        raise ConfigError(f"nbytes must be positive, got {nbytes}")
+        raise ConfigError(f"nbytes must be positive, got {shown(nbytes)}")
     if nbytes > MAX_NBYTES:
-        raise ConfigError(f"nbytes={nbytes} is larger than any machine's memory ({MAX_NBYTES})")
+        raise ConfigError(
+            f"nbytes={shown(nbytes)} is larger than any machine's memory ({MAX_NBYTES})"
+        )
     return round_to_pages(nbytes)
 
 

@@ -20,6 +20,7 @@ import anyio.to_thread
 import torch
 
 from asyncpin._outcome import Outcome
+from asyncpin._text import shown
 from asyncpin.errors import ConfigError, InvalidTransferError
 from asyncpin.kv import KVLayout
 
@@ -380,5 +381,5 @@ def block_ids(ids: BlockIds, what: str, limit: int) -> list[int]:
         lo, hi = min(values), max(values)
         if lo < 0 or hi >= limit:
             bad = lo if lo < 0 else hi
-            raise InvalidTransferError(f"{what} holds {bad}, outside [0, {limit})")
+            raise InvalidTransferError(f"{what} holds {shown(bad)}, outside [0, {limit})")
     return values

@@ -82,7 +82,25 @@ def test_an_int_hash_of_any_size_has_a_digest() -> None:
         big = [10**5000, 10**5000 + 1, -(10**5000), 2**2048, 2**2048 - 1, -(2**2048)]
         digests = [hash_digest(h) for h in [*big, 2**64, 1, 0, -1]]
         assert len(set(digests)) == len(digests) and all(len(d) == 16 for d in digests)
-        assert hash_digest(2**64) == hashlib.blake2b(b"i%d" % 2**64, digest_size=16).digest()
+    finally:
+        sys.set_int_max_str_digits(limit)
+
+
+@pytest.mark.parametrize(
+    "h",
+    [2**64, -(2**255), 2**2048 - 1, 2**2048, -(2**2048), 10**617, 10**4300 - 1, -(10**4300 - 1)],
+    ids=["2**64", "-2**255", "2**2048-1", "2**2048", "-2**2048", "10**617", "4300 9s", "-4300 9s"],
+)
+def test_an_int_up_to_4300_digits_keeps_the_name_it_always_had(h: int) -> None:
+    """The names of the values a server already holds (written in decimal, under the
+    interpreter's default limit of 4300 digits) do not change, whatever the limit now
+    (a review: ints past 2048 bits were renamed in hex)."""
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)  # no limit: the name as it was written
+    try:
+        before = hashlib.blake2b(b"i%d" % h, digest_size=16).digest()
+        sys.set_int_max_str_digits(640)
+        assert hash_digest(h) == before
     finally:
         sys.set_int_max_str_digits(limit)
 

@@ -400,6 +400,29 @@ def test_a_bad_url_carries_no_credential_on_its_error(url: str) -> None:
     assert "hunter2" not in _chain(info.value)
 
 
+async def test_ints_too_large_to_write_are_refused_as_any_bad_option() -> None:
+    """A review: such an int in a message raised ValueError (the interpreter's limit on
+    ints written in decimal), and flush_timeout_s=10**400 OverflowError, in place of
+    ConfigError."""
+    huge = 10**5000
+    of_store: list[dict[str, Any]] = [{"timeout_s": huge}, {"timeout_s": -huge}]
+    for options in [*of_store, {"ttl_s": huge}]:
+        with pytest.raises(ConfigError):
+            RedisStore("redis://127.0.0.1:1/0", **options)
+    store = RedisStore("redis://127.0.0.1:1/0", timeout_s=0.2)
+    of_tier: list[dict[str, Any]] = [
+        {"flush_timeout_s": 10**400},
+        {"flush_timeout_s": -huge},
+        {"remote_queue": -huge},
+        {"remote_read_depth": huge},
+    ]
+    async with OffloadManager.for_kv(make_layout(), HOST_BLOCKS, backend=FakeBackend()) as mgr:
+        for options in of_tier:
+            with pytest.raises(ConfigError, match=next(iter(options))):
+                KVTier(mgr, remote=store, **options)
+    await store.aclose()
+
+
 async def test_the_remote_counters_are_exported(
     redis_server: RedisServer, redis_keyspace: str
 ) -> None:

@@ -12,6 +12,7 @@ callable that makes a :class:`~asyncpin.abc.TransferEngine` from an
 
 from __future__ import annotations
 
+from asyncpin._text import shown
 from asyncpin.abc import EngineFactory, EngineSetup, TransferEngine
 from asyncpin.errors import ConfigError
 
@@ -30,7 +31,7 @@ def check_engine_choice(engine: str | EngineFactory) -> str | EngineFactory:
             )
         return engine
     if not callable(engine):
-        raise ConfigError(f"engine must be a name or a callable, got {engine!r}")
+        raise ConfigError(f"engine must be a name or a callable, got {shown(engine)}")
     return engine
 
 

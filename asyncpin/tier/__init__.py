@@ -15,6 +15,7 @@ type checking only, ``block_ids`` by the call that checks device block ids), so
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ import anyio.abc
 import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from asyncpin._text import shown
 from asyncpin.errors import ConfigError, InvalidTransferError, TransferError
 from asyncpin.stats import TierStats
 from asyncpin.tier.index import (
@@ -188,7 +190,7 @@ class LayerStore:
             or not 0 <= i < len(self.groups)
             or self.transfers[i] is not None
         ):
-            raise InvalidTransferError(f"group {i!r} is not a group still to store")
+            raise InvalidTransferError(f"group {shown(i)} is not a group still to store")
         self._tier.manager._life.check_loop_thread("store_group")
         try:
             transfer = self._tier.manager.store(
@@ -354,6 +356,7 @@ _FETCH_ROUNDS = 3
 
 
 _MAX_EVENT_BUFFER = 1 << 30
+_MAX_FLUSH_TIMEOUT_S = 86_400.0  # a day
 
 
 class KVTier:
@@ -413,9 +416,12 @@ class KVTier:
             if (
                 not isinstance(flush_timeout_s, int | float)
                 or isinstance(flush_timeout_s, bool)
-                or not 0 <= flush_timeout_s < float("inf")
+                or not 0 <= flush_timeout_s <= _MAX_FLUSH_TIMEOUT_S
             ):
-                raise ConfigError(f"flush_timeout_s must be a number >= 0, got {flush_timeout_s!r}")
+                raise ConfigError(
+                    "flush_timeout_s must be a number from 0 to a day, got "
+                    f"{shown(flush_timeout_s)}"
+                )
             self.remote = RemoteLink(
                 remote,
                 print_=fingerprint(model, layout.description(), manager.host_slice),
@@ -686,22 +692,30 @@ class KVTier:
         self.index.add_listener(listener)
 
     @contextmanager
-    def subscribe(self, max_buffer: int = 1024) -> Iterator[MemoryObjectReceiveStream[BlockEvent]]:
+    def subscribe(
+        self, max_buffer: int | float = 1024
+    ) -> Iterator[MemoryObjectReceiveStream[BlockEvent]]:
         """The events as an async iterator: ``with tier.subscribe() as events: async for
         event in events: ...`` (from a task of its own, say). Up to ``max_buffer`` events
         wait for the reader; past that, new ones are dropped and counted in
         ``dropped_events``, so a slow reader never holds up the index (an int from 0 to
-        2**30, else ConfigError). Leaving the block ends the subscription."""
-        if (
-            isinstance(max_buffer, bool)
-            or not isinstance(max_buffer, int)
-            or not 0 <= max_buffer <= _MAX_EVENT_BUFFER
+        2**30, or ``math.inf``: no limit; else ConfigError). Leaving the block ends the
+        subscription."""
+        size: float
+        if type(max_buffer) is float and max_buffer == math.inf:
+            size = math.inf
+        elif (
+            isinstance(max_buffer, int)
+            and not isinstance(max_buffer, bool)
+            and 0 <= int.__index__(max_buffer) <= _MAX_EVENT_BUFFER
         ):
+            size = int.__index__(max_buffer)
+        else:
             raise ConfigError(
-                f"max_buffer is an int from 0 to {_MAX_EVENT_BUFFER} "
-                f"(a {type(max_buffer).__name__} was given)"
+                f"max_buffer is an int from 0 to {_MAX_EVENT_BUFFER}, or math.inf, "
+                f"not {shown(max_buffer)}"
             )
-        send, receive = anyio.create_memory_object_stream[BlockEvent](max_buffer)
+        send, receive = anyio.create_memory_object_stream[BlockEvent](size)
 
         def deliver(event: BlockEvent) -> None:
             try:

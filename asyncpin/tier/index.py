@@ -28,6 +28,7 @@ from typing import Literal, TypeAlias, cast
 import structlog
 
 from asyncpin._log import ShieldedLog
+from asyncpin._text import shown
 from asyncpin.errors import ConfigError, InvalidTransferError
 from asyncpin.tier.policies import EvictionPolicy, make_policy
 
@@ -116,7 +117,7 @@ class BlockIndex:
             # the int it is, whatever a subclass's comparisons say
             or int.__index__(num_host_blocks) < 1
         ):
-            raise ConfigError(f"num_host_blocks must be an int >= 1, got {num_host_blocks!r}")
+            raise ConfigError(f"num_host_blocks must be an int >= 1, got {shown(num_host_blocks)}")
         self.num_host_blocks = int.__index__(num_host_blocks)
         self._policy: EvictionPolicy = make_policy(policy, self.num_host_blocks)
         self._entries: dict[BlockHash, _Entry] = {}
@@ -215,7 +216,7 @@ class BlockIndex:
                 try:
                     listener(event)
                 except Exception as exc:
-                    _log.error("tier.listener_failed", listener=repr(listener), error=repr(exc))
+                    _log.error("tier.listener_failed", listener=shown(listener), error=shown(exc))
 
     # -- stores ---------------------------------------------------------------------------
 
@@ -331,7 +332,7 @@ class BlockIndex:
         draining: list[int] = []  # blocks dropped from the index, drained in this order
         users: dict[int, int] = {}
         try:
-            for h, block in zip(hashes, host_blocks, strict=True):
+            for h, block in zip(all_checked(hashes), host_blocks, strict=True):
                 entry = self._entries.get(h)
                 if entry is not None and entry.host_block == block:
                     held = entry.readers > 0
@@ -346,7 +347,7 @@ class BlockIndex:
                     draining.append(block)
                 if not held:
                     raise RuntimeError(
-                        f"end_load of block hash {shown(h)} in host block {block!r}: no load "
+                        f"end_load of block hash {shown(h)} in host block {shown(block)}: no load "
                         "under way holds it (ended already?)"
                     )
         except BaseException:
@@ -410,13 +411,6 @@ class BlockIndex:
             self._free.append(block)
 
 
-def shown(h: BlockHash) -> str:
-    """A hash in a message: an int too large to write in decimal (the interpreter limits
-    that) in hex, and anything long cut short."""
-    text = hex(h) if isinstance(h, int) and h.bit_length() > 2048 else repr(h)
-    return text if len(text) <= 80 else f"{text[:40]}...{text[-20:]} ({len(text)} chars)"
-
-
 def _ok_of(ok: object) -> bool | frozenset[BlockHash]:
     """``end_store``'s ``ok``: a bool, a 0-d boolean array's bool, or the set of the hashes
     named."""
@@ -450,7 +444,7 @@ def _checked(h: object) -> BlockHash:
     if type(h) is int or type(h) is bytes:
         return h
     if isinstance(h, bytes):
-        return bytes(memoryview(h))
+        return bytes.__getitem__(h, slice(None))  # its bytes, whatever __buffer__ says
     if isinstance(h, int) and not isinstance(h, bool):
         return int.__index__(h)
     raise InvalidTransferError(f"a block hash is an int or bytes, not {type(h).__name__}")

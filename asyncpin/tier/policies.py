@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Protocol
 
+from asyncpin._text import shown
 from asyncpin.errors import ConfigError
 
 __all__ = [
@@ -344,5 +345,7 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
     if cls is None:
         raise ConfigError(f"unknown eviction policy {name!r} (choose from {POLICY_NAMES})")
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ConfigError(f"a policy's capacity is a number of blocks, at least 1: {capacity!r}")
+        raise ConfigError(
+            f"a policy's capacity is a number of blocks, at least 1: {shown(capacity)}"
+        )
     return cls(capacity)

@@ -31,6 +31,7 @@ shardings never read each other's blocks.
 from __future__ import annotations
 
 import contextlib
+import decimal
 import functools
 import hashlib
 import hmac
@@ -51,6 +52,7 @@ import anyio.to_thread
 import structlog
 
 from asyncpin._log import ShieldedLog
+from asyncpin._text import shown
 from asyncpin.errors import AsyncpinError, ConfigError
 
 __all__ = [
@@ -165,14 +167,16 @@ class RedisStore:
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise ImportError("RedisStore needs redis-py: pip install 'asyncpin[remote]'") from exc
         if not _finite(timeout_s, 0, _MAX_TIMEOUT_S):
-            raise ConfigError(f"timeout_s must be a number > 0, a day at most, got {timeout_s!r}")
+            raise ConfigError(
+                f"timeout_s must be a number > 0, a day at most, got {shown(timeout_s)}"
+            )
         if ttl_s is not None and not _finite(ttl_s, 0, _MAX_TTL_S):
-            raise ConfigError(f"ttl_s must be a finite number > 0 or None, got {ttl_s!r}")
+            raise ConfigError(f"ttl_s must be a finite number > 0 or None, got {shown(ttl_s)}")
         if client_options.get("decode_responses"):
             raise ConfigError("decode_responses=True would decode the blocks' bytes as text")
         for protocol in (client_options.get("protocol"), *_query_of(url).get("protocol", [])):
             if protocol not in (None, 2, 3, "2", "3"):
-                raise ConfigError(f"protocol must be 2 or 3, got {protocol!r}")
+                raise ConfigError(f"protocol must be 2 or 3, got {shown(protocol)}")
         self._timeout_s = float(timeout_s)
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         options: dict[str, Any] = {
@@ -213,7 +217,7 @@ class RedisStore:
             direct_writes = direct_reads
         for flag, on in (("direct_reads", direct_reads), ("direct_writes", direct_writes)):
             if not isinstance(on, bool):
-                raise ConfigError(f"{flag} must be a bool or None, got {on!r}")
+                raise ConfigError(f"{flag} must be a bool or None, got {shown(on)}")
         # readinto's blocking client (made on first use, in a worker thread).
         self._blocking_args = (url, options)
         self._blocking: Any = None
@@ -1027,15 +1031,21 @@ def fingerprint(
 
 def hash_digest(block_hash: int | bytes) -> bytes:
     """16 bytes naming a block hash (ints and bytes never collide). An int is named in
-    decimal up to 2048 bits (fewer digits than the lowest limit an interpreter may set on
-    ints written in decimal) and in hex beyond, so that an int of any size has a name."""
+    decimal up to 4300 digits, whatever limit the interpreter sets on ints written in
+    decimal (4300 by default: the names the tier has always given), and in hex beyond, so
+    that an int of any size has a name."""
     if isinstance(block_hash, bytes):
         raw = b"b" + block_hash
-    elif block_hash.bit_length() <= 2048:
+    elif block_hash.bit_length() <= 2048:  # under any limit an interpreter may set
         raw = b"i%d" % block_hash
+    elif -_DECIMAL_NAMES < block_hash < _DECIMAL_NAMES:
+        raw = b"i" + str(decimal.Decimal(block_hash)).encode()  # no digit limit there
     else:
         raw = b"x%x" % block_hash
     return hashlib.blake2b(raw, digest_size=16).digest()
+
+
+_DECIMAL_NAMES = 10**4300
 
 
 @functools.cache
@@ -1247,18 +1257,18 @@ class RemoteLink:
             ("remote_read_depth", read_depth, MAX_READ_DEPTH),
         ):
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{what} must be an int >= 1, got {value!r}")
+                raise ConfigError(f"{what} must be an int >= 1, got {shown(value)}")
             count = int.__index__(value)  # a plain int, whatever a subclass says it is
             if count < 1:
-                raise ConfigError(f"{what} must be an int >= 1, got {value!r}")
+                raise ConfigError(f"{what} must be an int >= 1, got {shown(value)}")
             if most is not None and count > most:
-                raise ConfigError(f"{what} must be at most {most}, got {value!r}")
+                raise ConfigError(f"{what} must be at most {most}, got {shown(value)}")
             counts.append(count)
         queue_blocks, batch_blocks, write_batch, read_depth = counts
         if write_batch_blocks is not None:
             write_batch_blocks = write_batch
         if not isinstance(namespace, str) or not namespace:
-            raise ConfigError(f"namespace must be a non-empty str, got {namespace!r}")
+            raise ConfigError(f"namespace must be a non-empty str, got {shown(namespace)}")
         _xxh3()  # the values' checksum: its library now, not at the first write
         if secret is not None and not (
             isinstance(secret, bytes | bytearray) and 16 <= len(secret) <= 64
