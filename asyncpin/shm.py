@@ -357,7 +357,10 @@ def _open_own(name: str, flags: int) -> tuple[int, os.stat_result, RegionHeader]
                 f"{path} cannot be opened by uid {os.geteuid()} ({exc.strerror}): another "
                 "user's file, not a region of this user's"
             ) from None
-        raise
+        # A socket (ENXIO), a device, anything else that does not open as a file.
+        raise ConfigError(
+            f"{path} cannot be opened ({exc.strerror}): not a region made by asyncpin"
+        ) from None
     try:
         info = os.fstat(fd)
         uid = os.geteuid()

@@ -7,6 +7,7 @@ on asyncio and on trio.
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -17,7 +18,7 @@ from asyncpin import (
     _sys,
 )
 from asyncpin.region import HostRegion
-from asyncpin.shm import SHM_DIR
+from asyncpin.shm import SHM_DIR, is_stale, unlink_stale
 from tests.helpers import open_manager, refused
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("balanced_mappings")]
@@ -91,6 +92,26 @@ class TestAttachToForeignFile:
                 HostRegion.attach(shm_name)
         finally:
             path.unlink()
+
+    async def test_a_socket(self, shm_name: str) -> None:
+        """A hostile trial: a Unix socket another user bound at the name made create,
+        attach, is_stale and unlink_stale raise a bare OSError (ENXIO)."""
+        path = SHM_DIR / shm_name
+        sock = socket.socket(socket.AF_UNIX)
+        try:
+            sock.bind(str(path))
+            with refused(ConfigError, "not a region made by asyncpin"):
+                HostRegion.attach(shm_name)
+            with refused(ConfigError, "not a region made by asyncpin"):
+                is_stale(shm_name)
+            assert not unlink_stale(shm_name)
+            with refused(ConfigError, shm_name):
+                async with OffloadManager(PAGE, backend="host", backing="shared", name=shm_name):
+                    pass
+            assert path.exists()
+        finally:
+            sock.close()
+            path.unlink(missing_ok=True)
 
     def test_directory(self, shm_name: str) -> None:
         path = SHM_DIR / shm_name
