@@ -38,6 +38,9 @@ class Lifecycle:
         # (asyncio's native cancel, Ctrl-C) stops waiting, never the close.
         self._closer = OwnedTasks(log)
         self._closed = anyio.Event()
+        # Set while a task is entering and has not yet opened or let go of what it made:
+        # a close from NEW waits for it (``entering`` / ``entered``).
+        self._entry: anyio.Event | None = None
         self.pid: int | None = None  # the process that opened it
         self._loop_thread: int | None = None  # the thread that entered: transfers only there
         self.close_seconds: float | None = None
@@ -50,6 +53,15 @@ class Lifecycle:
     @property
     def is_new(self) -> bool:
         return self._state is ManagerState.NEW
+
+    def entering(self) -> None:
+        """An entry begins: a close from NEW now waits for :meth:`entered`."""
+        self._entry = anyio.Event()
+
+    def entered(self) -> None:
+        """The entry is over: opened (OPEN), or all it made let go of."""
+        if self._entry is not None:
+            self._entry.set()
 
     def opened(self) -> None:
         """NEW → OPEN, from the task that entered."""
@@ -84,8 +96,7 @@ class Lifecycle:
                 "anyio.from_thread.run_sync"
             )
 
-    def _check_can_close(self) -> None:
-        """Refuse a close that could only hang or break, before anything changes."""
+    def _check_not_held(self) -> None:
         held = held_here(self._gate)
         if held is not None:
             raise LifecycleError(
@@ -93,6 +104,10 @@ class Lifecycle:
                 f"transfers that {held} holds back, so it would never return; close the "
                 f"manager after leaving the {held} block (it is still open)"
             )
+
+    def _check_can_close(self) -> None:
+        """Refuse a close that could only hang or break, before anything changes."""
+        self._check_not_held()
         if current_loop() is not self._tasks.loop:
             raise LifecycleError(
                 "aclose() called from another event loop than the one that opened the "
@@ -106,17 +121,22 @@ class Lifecycle:
         never_opened: Callable[[], None],
         leaked: Callable[[], int],
     ) -> None:
-        """Close once: ``never_opened()`` from NEW; else ``close_in_order()`` in the
-        closer task, waited for by every caller, shielded (``leaked()`` says how many
-        chunks it left mapped)."""
-        if self.forked() or self._state is ManagerState.CLOSED:
+        """Close once: ``never_opened()`` from NEW (then, during an entry, wait until
+        the entering task has let go of what it made); else ``close_in_order()`` in the
+        closer task. Every caller waits for the same close, shielded (``leaked()`` says
+        how many chunks it left mapped)."""
+        if self.forked():
             return
-        if self._state is not ManagerState.NEW:
+        if self._state is not ManagerState.NEW and self._state is not ManagerState.CLOSED:
             self._check_can_close()
+        elif self._entry is not None and not self._entry.is_set():
+            self._check_not_held()  # the entry's set-up may wait for the hold
         with anyio.CancelScope(shield=True):
             if self._state is ManagerState.NEW:
                 self._state = ManagerState.CLOSED
                 never_opened()
+                if self._entry is not None:  # the entering task lets go of what it made
+                    await self._entry.wait()
                 self._closed.set()
                 return
             if self._state is ManagerState.OPEN:

@@ -171,6 +171,7 @@ class OffloadManager:
         if not self._life.is_new:
             raise RuntimeError("an OffloadManager can be entered only once")
         t0 = time.perf_counter()
+        self._life.entering()
         try:
             opened = await Opened.open(
                 self._config,
@@ -188,16 +189,22 @@ class OffloadManager:
             # whoever awaits `pinned` learns why instead of waiting without end.
             if isinstance(exc, Exception):
                 self._pinned.resolve(exc)
+            self._life.entered()
             await self._life.aclose(self._close_in_order, self._never_opened, self._leaked)
             raise
         if not self._life.is_new:
-            # Closed by another task while this one waited: it must not open now.
-            await opened.abandon()
+            # Closed by another task while this one waited: it must not open now. That
+            # close returns once this has let go of all it made.
+            try:
+                await opened.abandon()
+            finally:
+                self._life.entered()
             raise anyio.ClosedResourceError("the manager was closed while it was entered")
         self._opened = opened
         self._nbytes = opened.region.nbytes
         self._chunk_bytes = opened.scheduler.chunk_bytes  # an attacher's, from its region
         self._life.opened()
+        self._life.entered()
         scheduler = opened.scheduler
         opened.start(self._tasks, self._log)  # they settle `pinned`, but for a close
         self._seconds_to_enter = time.perf_counter() - t0

@@ -47,6 +47,7 @@ from asyncpin._config import MAX_THREADS
 from asyncpin._tasks import OwnedTasks
 from asyncpin.engines.host import HostTransferEngine
 from asyncpin.errors import ConfigError, ForkedManagerError, LifecycleError
+from asyncpin.shm import SHM_DIR
 from asyncpin.testing import FakeBackend, is_mapped
 from asyncpin.transfers import TransferJob
 from tests.helpers import TIMEOUT_S, releasing, wait_child, wait_thread_event
@@ -601,7 +602,12 @@ class TestCloseRacesEntryAndCancellation:
     """A close during entry keeps the manager closed; a closer cancelled while it waits
     stops waiting, never the close; a waiter's `raise ... from` leaves the error intact."""
 
-    async def test_close_while_the_engine_prepares(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def test_close_while_the_engine_prepares(
+        self, monkeypatch: pytest.MonkeyPatch, shm_name: str
+    ) -> None:
+        """The close returns once the entry has let go of all it opened (a hostile
+        trial: aclose() returned at once, and the shared file, the mapping and the
+        engine's thread outlived it: reopening the name then was refused)."""
         entered, go_on = threading.Event(), threading.Event()
 
         def prepare(self: HostTransferEngine) -> None:
@@ -610,8 +616,9 @@ class TestCloseRacesEntryAndCancellation:
 
         monkeypatch.setattr(HostTransferEngine, "prepare", prepare)
         fake = FakeBackend()
-        mgr = make(fake)
+        mgr = make(fake, backing="shared", name=shm_name)
         failure: list[BaseException] = []
+        after_close: list[bool] = []
 
         async def enter() -> None:
             try:
@@ -619,20 +626,55 @@ class TestCloseRacesEntryAndCancellation:
             except anyio.ClosedResourceError as exc:
                 failure.append(exc)
 
+        async def close() -> None:
+            await mgr.aclose()
+            after_close.append((SHM_DIR / shm_name).exists())
+
         with anyio.fail_after(TIMEOUT_S):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(enter)
                 try:
                     await wait_thread_event(entered)
-                    await mgr.aclose()
-                    assert mgr.state is ManagerState.CLOSED
+                    assert (SHM_DIR / shm_name).exists()
+                    tg.start_soon(close)
+                    tg.start_soon(close)  # a second closer waits for the same close
+                    await anyio.wait_all_tasks_blocked()
+                    assert mgr.state is ManagerState.CLOSED and after_close == []
                 finally:
                     go_on.set()
+        assert after_close == [False, False]
         assert len(failure) == 1 and "closed while it was entered" in str(failure[0])
         assert mgr.state is ManagerState.CLOSED and not mgr.is_pinned()
         assert fake.calls == []  # nothing pinned
         with pytest.raises(anyio.ClosedResourceError):
             mgr.store([0], [0])
+
+    async def test_a_close_inside_a_hold_during_entry_is_refused(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A close from NEW waits for the entry, whose set-up may wait for the hold: from
+        inside ``pinning_paused()`` it is refused, changing nothing, as from OPEN."""
+        entered, go_on = threading.Event(), threading.Event()
+
+        def prepare(self: HostTransferEngine) -> None:
+            entered.set()
+            assert go_on.wait(TIMEOUT_S)
+
+        monkeypatch.setattr(HostTransferEngine, "prepare", prepare)
+        mgr = make(FakeBackend())
+        with anyio.fail_after(TIMEOUT_S):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(mgr.__aenter__)
+                try:
+                    await wait_thread_event(entered)
+                    async with mgr.pinning_paused():
+                        with pytest.raises(LifecycleError, match="inside pinning_paused"):
+                            await mgr.aclose()
+                    assert mgr.state is ManagerState.NEW
+                finally:
+                    go_on.set()
+            assert mgr.state is ManagerState.OPEN
+            await mgr.aclose()
 
     def test_a_natively_cancelled_closer_leaves_the_close_running(self) -> None:
         """asyncio only: the closer is cancelled with asyncio's own ``Task.cancel()``."""
