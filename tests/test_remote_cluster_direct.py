@@ -212,6 +212,60 @@ async def test_a_node_that_fails_makes_the_slots_asked_again(
     assert store._stale_slots
 
 
+def _a_node_down(cluster: RedisCluster, keys: list[str]) -> tuple[RedisServer, list[RedisServer]]:
+    """A node that does not serve ``keys[0]``, killed, and each key's node."""
+    owners = [cluster.node_for_slot(_slot(key)) for key in keys]
+    dead = next(node for node in cluster.nodes if node is not owners[0])
+    dead.kill()
+    return dead, owners
+
+
+@pytest.mark.redis
+async def test_a_node_down_cuts_a_read_at_its_first_key(
+    store: RedisStore, redis_cluster: RedisCluster, redis_keyspace: str
+) -> None:
+    """The keys before the first that a node down serves are read, and the read says it
+    was cut (a hostile trial: one node of three down failed every read, so a restore
+    brought back nothing, not even leading blocks on the healthy nodes)."""
+    from asyncpin.tier.remote import RemoteReadCut
+
+    keys = _keys_on_every_node(redis_cluster, redis_keyspace, each=3)
+    said = await anyio.to_thread.run_sync(
+        lambda: store.writefrom([(k, [b"v" * 100]) for k in keys])
+    )
+    assert said == [None] * len(keys)
+    dead, owners = _a_node_down(redis_cluster, keys)
+    first = owners.index(dead)
+    with pytest.raises(RemoteReadCut) as cut:
+        await anyio.to_thread.run_sync(lambda: _read(store, keys, [100] * len(keys)))
+    assert cut.value.sizes == [100] * first + [None] * (len(keys) - first)
+    healthy = [k for k, node in zip(keys, owners, strict=True) if node is not dead]
+    got, order, _ = await anyio.to_thread.run_sync(
+        lambda: _read(store, healthy, [100] * len(healthy))
+    )
+    assert got == [100] * len(healthy) and order == list(range(len(healthy)))
+
+
+@pytest.mark.redis
+async def test_a_node_down_fails_the_writes_of_its_keys_alone(
+    store: RedisStore, redis_cluster: RedisCluster, redis_keyspace: str
+) -> None:
+    """The keys of the other nodes are written and said so (a hostile trial: one node
+    of three down failed the whole write, counting written values as failed)."""
+    keys = _keys_on_every_node(redis_cluster, redis_keyspace, each=3)
+    said = await anyio.to_thread.run_sync(lambda: store.writefrom([(k, [b"v"]) for k in keys]))
+    assert said == [None] * len(keys)  # the slots are known: any node may be the one down
+    dead, owners = _a_node_down(redis_cluster, keys)
+    said = await anyio.to_thread.run_sync(
+        lambda: store.writefrom([(k, [b"v" * 100]) for k in keys])
+    )
+    for key, node, error in zip(keys, owners, said, strict=True):
+        if node is dead:
+            assert error is not None and "failed" in error
+        else:
+            assert error is None and node.command("STRLEN", key) == 100
+
+
 @pytest.mark.redis
 @pytest.mark.parametrize("endpoint", ["unknown-endpoint", "hostname"])
 async def test_a_node_that_names_no_endpoint_is_the_one_asked(

@@ -126,6 +126,42 @@ async def test_a_forgotten_prefix_comes_back_from_the_server(
             assert not remote.degraded and tier.lookup(hashes) == 12  # on the host again
 
 
+async def test_a_cluster_node_down_costs_its_blocks_alone(
+    redis_cluster: RedisCluster, redis_keyspace: str
+) -> None:
+    """One node of three down (a hostile trial: no restore brought anything back, and
+    the writes to the healthy nodes were lost, counted as failed): a restore brings back
+    the leading blocks up to the first the node held, and a write-behind writes the
+    blocks of the other nodes; the tier is degraded meanwhile."""
+    hashes = list(range(3000, 3012))
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(redis_cluster.url, redis_keyspace, cluster=True) as (
+            tier,
+            layout,
+        ):
+            kept = await stored_and_forgotten(tier, layout, hashes)
+            owners = [
+                redis_cluster.node_for_slot(redis_cluster.keyslot(tier.remote.key_of(h)))  # type: ignore[union-attr]
+                for h in hashes
+            ]
+            dead = next(node for node in redis_cluster.nodes if node is not owners[0])
+            first = owners.index(dead)
+            dead.kill()
+            assert await tier.restore(hashes, list(range(16, 28))) == first
+            assert same(layout, list(range(16, 16 + first)), [k[:first] for k in kept])
+            remote = tier.stats().remote
+            assert remote is not None and remote.degraded
+            tier.clear()
+            written = remote.written_blocks
+            await tier.store(hashes, list(range(12))).transfer
+            await tier.remote_written()
+            remote = tier.stats().remote
+            assert remote is not None
+            healthy = sum(node is not dead for node in owners)
+            assert remote.written_blocks - written == healthy
+            assert remote.failed_writes == len(hashes) - healthy
+
+
 async def test_int_hashes_of_any_size_go_to_the_server_and_back(
     redis_server: RedisServer, redis_keyspace: str
 ) -> None:

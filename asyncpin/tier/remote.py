@@ -60,6 +60,7 @@ __all__ = [
     "RedisStore",
     "RemoteError",
     "RemoteLink",
+    "RemoteReadCut",
     "RemoteStats",
     "RemoteStore",
     "decode",
@@ -109,6 +110,16 @@ WRITERS = 2
 class RemoteError(AsyncpinError, RuntimeError):
     """The remote server failed an operation (refused, reset, timed out, out of memory).
     The message never holds credentials."""
+
+
+class RemoteReadCut(RemoteError):
+    """A direct read (``RedisStore.readinto``) cut short by a failing server or node:
+    ``sizes`` is what the read returns for the keys read before the failure, in order,
+    and None for the rest."""
+
+    def __init__(self, message: str, sizes: list[int | None]) -> None:
+        super().__init__(message)
+        self.sizes = sizes
 
 
 @runtime_checkable
@@ -391,25 +402,42 @@ class RedisStore:
         failure: RemoteError | None = None
         try:
             plan = self._plan(keys, deadline, check_cancelled)
-            with contextlib.ExitStack() as stack:
-                wires = {
-                    at: stack.enter_context(self._wire(deadline, check_cancelled, at))
-                    for at in dict.fromkeys(plan)
-                }
+            cut: list[Exception] = []  # the failure that ended the read before its end
+            with contextlib.suppress(_CutShort), contextlib.ExitStack() as stack:
                 # Every node's GETs go out first, its own pipeline, then the replies are
                 # read in the keys' order, each from its node's socket: ``into`` sees
                 # the keys in order, as from one node. Sent as the values are read:
                 # bounded by the deadline, and none of redis-py's own checks before it
                 # (its health check's PING would wait for its answer under the 50 ms
-                # poll as its whole timeout).
-                for at, (conn, wire) in wires.items():
-                    mine = [("GET", key) for key, to in zip(keys, plan, strict=True) if to == at]
-                    wire.send(b"".join(conn.pack_commands(mine)))
+                # poll as its whole timeout). A node that fails is left out: the read
+                # ends at its first key, the keys before it stand.
+                wires: dict[tuple[str, int] | None, _Wire] = {}
+                for at in dict.fromkeys(plan):
+                    node = contextlib.ExitStack()
+                    try:
+                        conn, wire = node.enter_context(self._wire(deadline, check_cancelled, at))
+                        mine = [
+                            ("GET", key) for key, to in zip(keys, plan, strict=True) if to == at
+                        ]
+                        wire.send(b"".join(conn.pack_commands(mine)))
+                    except Exception as exc:
+                        node.__exit__(type(exc), exc, exc.__traceback__)  # closed, not reused
+                        cut.append(exc)
+                        continue
+                    stack.push(node)
+                    wires[at] = wire
                 head = memoryview(bytearray(head_bytes))
                 error: bytes | None = None
                 for i in range(len(keys)):
-                    wire = wires[plan[i]][1]
-                    got = wire.value_into(head, functools.partial(_body_of, into, i, head))
+                    if plan[i] not in wires:  # its node failed
+                        break
+                    try:
+                        got = wires[plan[i]].value_into(
+                            head, functools.partial(_body_of, into, i, head)
+                        )
+                    except Exception as exc:
+                        cut.append(exc)
+                        break
                     if isinstance(got, bytes) and _wrong_type(got):
                         sizes[i] = 0  # another type of data: an empty value, as get() says
                     elif isinstance(got, bytes) and _redirected(got) and self.cluster:
@@ -418,7 +446,14 @@ class RedisStore:
                         error = error or got
                     else:
                         sizes[i] = got
-            if error is not None:
+                if cut:  # the replies not read close their connections, never reused
+                    raise _CutShort
+            if cut:
+                if self.cluster:  # a node down or failed over: the slots are asked again
+                    self._stale_slots = True
+                failure = RemoteReadCut(str(self._failure("GET", cut[0])), sizes)
+                cut.clear()
+            elif error is not None:
                 failure = self._refused("GET", error)
         except Exception as exc:
             if self.cluster:  # a node down or failed over: the slots are asked again
@@ -520,10 +555,11 @@ class RedisStore:
         go to ``errors_of``. Returns the keys whose slot moved: (index, the reply)."""
         moved: list[tuple[int, bytes]] = []
         plan = self._plan(keys, deadline, check_cancelled)
-        with contextlib.ExitStack() as stack:
-            for at in dict.fromkeys(plan):
-                conn, wire = stack.enter_context(self._wire(deadline, check_cancelled, at))
-                mine = [i for i, to in enumerate(plan) if to == at]
+
+        def send(at: tuple[str, int] | None, mine: list[int], said: set[int]) -> None:
+            """The keys ``mine`` to the node ``at``: each whose reply is read goes into
+            ``said``."""
+            with self._wire(deadline, check_cancelled, at) as (conn, wire):
                 small = bytearray()
                 for i in mine:
                     if prepare is not None:
@@ -546,11 +582,28 @@ class RedisStore:
                     small += b"\r\n" + px
                 wire.send(small)
                 for i in mine:
-                    said = wire.status()
-                    if said is not None and _redirected(said):
-                        moved.append((i, said))
-                    elif said is not None:
-                        errors_of(i, self._redact(said.decode(errors="replace")))
+                    reply = wire.status()
+                    said.add(i)
+                    if reply is not None and _redirected(reply):
+                        moved.append((i, reply))
+                    elif reply is not None:
+                        errors_of(i, self._redact(reply.decode(errors="replace")))
+
+        for at in dict.fromkeys(plan):
+            mine = [i for i, to in enumerate(plan) if to == at]
+            said: set[int] = set()  # the keys whose reply was read
+            try:
+                send(at, mine, said)
+            except Exception as exc:
+                if not self.cluster:
+                    raise
+                # A node down, or failing: its keys' writes failed (written or not), the
+                # other nodes' go on; the slots are asked again.
+                self._stale_slots = True
+                text = str(self._failure("SET", exc))
+                for i in mine:
+                    if i not in said:
+                        errors_of(i, text)
         return sorted(moved)
 
     def _plan(
@@ -1786,33 +1839,44 @@ class RemoteLink:
             seen[i] = (block, crc)
             return block
 
-        def read() -> tuple[int, str | None]:
+        def read() -> tuple[int, str | None, str | None]:
+            """The leading valid values, the fault after them, and the failure that cut
+            the read short (its leading values read before it stand)."""
             began[k] = True
-            sizes = read_into(
-                [self.key_of(h) for h in part],
-                body_for,
-                head_bytes=HEADER_BYTES,
-                check_cancelled=anyio.from_thread.check_cancelled,
-            )
+            failed: str | None = None
+            try:
+                sizes = read_into(
+                    [self.key_of(h) for h in part],
+                    body_for,
+                    head_bytes=HEADER_BYTES,
+                    check_cancelled=anyio.from_thread.check_cancelled,
+                )
+            except RemoteReadCut as exc:  # a node down, say: the values before it stand
+                sizes, failed = exc.sizes, str(exc)
             for i, size in enumerate(sizes):
                 got = seen[i]
-                if size is not None and got == "missing":  # no payload: too short
+                if size is None:  # missing, or not read: the read was cut there
+                    return i, "missing", failed
+                if got == "missing":  # no payload: too short
                     got = "truncated"
                 if isinstance(got, str):
-                    return i, got
+                    return i, got, failed
                 block, crc = got
                 if not _same_seal(seal(block, self.print_, digests[i], self._secret), crc):
-                    return i, "checksum"
-            return len(part), None
+                    return i, "checksum", failed
+            return len(part), None, failed
 
         try:
-            valid, fault = await _thread_to_the_end(read, self.read_limiter)
+            valid, fault, failed = await _thread_to_the_end(read, self.read_limiter)
         except Exception as exc:
             self._failed(_remote_error(exc, self.store), "get")
             return 0
         finally:  # no frame a traceback keeps names a host block's memory
             seen.clear()
-        self._ok()
+        if failed is not None:
+            self._failed(RemoteError(failed), "get")
+        else:
+            self._ok()
         if fault not in (None, "missing", "after the end"):
             assert fault is not None
             self._invalid[fault] = self._invalid.get(fault, 0) + 1
@@ -1907,6 +1971,10 @@ def _connect(conn: Any, deadline: float, check_cancelled: Callable[[], None]) ->
             raise failed[0]
         finally:  # no cycle through this frame keeps the caller's frames alive
             failed.clear()
+
+
+class _CutShort(Exception):
+    """Leaves a read's connections closed: replies are left unread on them."""
 
 
 def _body_of(
