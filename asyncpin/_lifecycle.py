@@ -62,6 +62,8 @@ class Lifecycle:
         """The entry is over: opened (OPEN), or all it made let go of."""
         if self._entry is not None:
             self._entry.set()
+        if self._state is ManagerState.CLOSED:  # closed meanwhile: this close is over
+            self._closed.set()
 
     def opened(self) -> None:
         """NEW → OPEN, from the task that entered."""
@@ -121,23 +123,25 @@ class Lifecycle:
         never_opened: Callable[[], None],
         leaked: Callable[[], int],
     ) -> None:
-        """Close once: ``never_opened()`` from NEW (then, during an entry, wait until
-        the entering task has let go of what it made); else ``close_in_order()`` in the
-        closer task. Every caller waits for the same close, shielded (``leaked()`` says
-        how many chunks it left mapped)."""
+        """Close once: ``never_opened()`` from NEW (then, during an entry, the close
+        is over once the entering task has let go of what it made: a close called from
+        a thread that entry waits for, an engine's ``prepare`` say, would wait for
+        ever); else ``close_in_order()`` in the closer task. Every caller waits for the
+        same close, shielded (``leaked()`` says how many chunks it left mapped)."""
         if self.forked():
             return
         if self._state is not ManagerState.NEW and self._state is not ManagerState.CLOSED:
             self._check_can_close()
         elif self._entry is not None and not self._entry.is_set():
-            self._check_not_held()  # the entry's set-up may wait for the hold
+            self._check_can_close()  # the entry's set-up may wait for a hold, or a loop
         with anyio.CancelScope(shield=True):
             if self._state is ManagerState.NEW:
                 self._state = ManagerState.CLOSED
                 never_opened()
-                if self._entry is not None:  # the entering task lets go of what it made
-                    await self._entry.wait()
-                self._closed.set()
+                if self._entry is None or self._entry.is_set():
+                    self._closed.set()
+                # else the entering task sets it once it has let go of what it made
+                await self._closed.wait()
                 return
             if self._state is ManagerState.OPEN:
                 self._state = ManagerState.CLOSING

@@ -53,6 +53,8 @@ _VERSION = 1
 _HEADER = struct.Struct("<16sIIQQI")  # magic, version, header bytes, data bytes, pid, layout len
 HEADER_BYTES = _sys.PAGE_SIZE
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# What opening a name gives for a file of a kind no region is (a socket: ENXIO).
+_NOT_A_FILE = frozenset({errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP, errno.ETXTBSY})
 
 
 def validate_name(name: object) -> str:
@@ -357,10 +359,11 @@ def _open_own(name: str, flags: int) -> tuple[int, os.stat_result, RegionHeader]
                 f"{path} cannot be opened by uid {os.geteuid()} ({exc.strerror}): another "
                 "user's file, not a region of this user's"
             ) from None
-        # A socket (ENXIO), a device, anything else that does not open as a file.
-        raise ConfigError(
-            f"{path} cannot be opened ({exc.strerror}): not a region made by asyncpin"
-        ) from None
+        if exc.errno in _NOT_A_FILE:  # a socket, a device: what no region is
+            raise ConfigError(
+                f"{path} cannot be opened ({exc.strerror}): not a region made by asyncpin"
+            ) from None
+        raise  # out of descriptors or memory, an I/O error: this process's trouble
     try:
         info = os.fstat(fd)
         uid = os.geteuid()

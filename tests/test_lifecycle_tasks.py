@@ -676,6 +676,72 @@ class TestCloseRacesEntryAndCancellation:
             assert mgr.state is ManagerState.OPEN
             await mgr.aclose()
 
+    def test_a_natively_cancelled_closer_during_entry_loses_no_close(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """asyncio only: a closer from NEW waiting for the entry, cancelled with asyncio's
+        own ``Task.cancel()`` (a review: the close was then never marked over, and every
+        later aclose() waited for ever)."""
+        entered, go_on = threading.Event(), threading.Event()
+
+        def prepare(self: HostTransferEngine) -> None:
+            entered.set()
+            assert go_on.wait(TIMEOUT_S)
+
+        monkeypatch.setattr(HostTransferEngine, "prepare", prepare)
+
+        async def run() -> None:
+            mgr = make(FakeBackend())
+            entry = asyncio.create_task(mgr.__aenter__())
+            try:
+                await wait_thread_event(entered)
+                closer = asyncio.create_task(mgr.aclose())
+                while mgr.state is not ManagerState.CLOSED:  # noqa: ASYNC110 - a state, no event
+                    await asyncio.sleep(0)
+                closer.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await closer
+            finally:
+                go_on.set()
+            with pytest.raises(anyio.ClosedResourceError, match="closed while it was entered"):
+                await asyncio.wait_for(entry, TIMEOUT_S)
+            await asyncio.wait_for(mgr.aclose(), TIMEOUT_S)
+
+        asyncio.run(run())
+
+    async def test_a_close_from_another_loop_during_entry_is_refused(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """As from OPEN (a review: from NEW during an entry it waited on the entering
+        loop's event from a foreign loop)."""
+        entered, go_on = threading.Event(), threading.Event()
+
+        def prepare(self: HostTransferEngine) -> None:
+            entered.set()
+            assert go_on.wait(TIMEOUT_S)
+
+        monkeypatch.setattr(HostTransferEngine, "prepare", prepare)
+        mgr = make(FakeBackend())
+        refused: list[BaseException] = []
+
+        def close_elsewhere() -> None:
+            try:
+                asyncio.run(mgr.aclose())
+            except LifecycleError as exc:
+                refused.append(exc)
+
+        with anyio.fail_after(TIMEOUT_S):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(mgr.__aenter__)
+                try:
+                    await wait_thread_event(entered)
+                    await anyio.to_thread.run_sync(close_elsewhere)
+                finally:
+                    go_on.set()
+            assert len(refused) == 1 and "another event loop" in str(refused[0])
+            assert mgr.state is ManagerState.OPEN
+            await mgr.aclose()
+
     def test_a_natively_cancelled_closer_leaves_the_close_running(self) -> None:
         """asyncio only: the closer is cancelled with asyncio's own ``Task.cancel()``."""
         asyncio.run(self._natively_cancelled_closer())

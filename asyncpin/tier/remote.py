@@ -413,18 +413,15 @@ class RedisStore:
                 # ends at its first key, the keys before it stand.
                 wires: dict[tuple[str, int] | None, _Wire] = {}
                 for at in dict.fromkeys(plan):
-                    node = contextlib.ExitStack()
                     try:
-                        conn, wire = node.enter_context(self._wire(deadline, check_cancelled, at))
+                        conn, wire = stack.enter_context(self._wire(deadline, check_cancelled, at))
                         mine = [
                             ("GET", key) for key, to in zip(keys, plan, strict=True) if to == at
                         ]
                         wire.send(b"".join(conn.pack_commands(mine)))
-                    except Exception as exc:
-                        node.__exit__(type(exc), exc, exc.__traceback__)  # closed, not reused
+                    except Exception as exc:  # its connection is closed with the cut below
                         cut.append(exc)
                         continue
-                    stack.push(node)
                     wires[at] = wire
                 head = memoryview(bytearray(head_bytes))
                 error: bytes | None = None
@@ -556,7 +553,7 @@ class RedisStore:
         moved: list[tuple[int, bytes]] = []
         plan = self._plan(keys, deadline, check_cancelled)
 
-        def send(at: tuple[str, int] | None, mine: list[int], said: set[int]) -> None:
+        def send(at: tuple[str, int] | None, mine: list[int], said: list[int]) -> None:
             """The keys ``mine`` to the node ``at``: each whose reply is read goes into
             ``said``."""
             with self._wire(deadline, check_cancelled, at) as (conn, wire):
@@ -583,7 +580,7 @@ class RedisStore:
                 wire.send(small)
                 for i in mine:
                     reply = wire.status()
-                    said.add(i)
+                    said.append(i)
                     if reply is not None and _redirected(reply):
                         moved.append((i, reply))
                     elif reply is not None:
@@ -591,7 +588,7 @@ class RedisStore:
 
         for at in dict.fromkeys(plan):
             mine = [i for i, to in enumerate(plan) if to == at]
-            said: set[int] = set()  # the keys whose reply was read
+            said: list[int] = []  # the keys whose reply was read
             try:
                 send(at, mine, said)
             except Exception as exc:
@@ -601,9 +598,8 @@ class RedisStore:
                 # other nodes' go on; the slots are asked again.
                 self._stale_slots = True
                 text = str(self._failure("SET", exc))
-                for i in mine:
-                    if i not in said:
-                        errors_of(i, text)
+                for i in mine[len(said) :]:  # the replies come in order
+                    errors_of(i, text)
         return sorted(moved)
 
     def _plan(
@@ -1853,7 +1849,8 @@ class RemoteLink:
                 )
             except RemoteReadCut as exc:  # a node down, say: the values before it stand
                 sizes, failed = exc.sizes, str(exc)
-            for i, size in enumerate(sizes):
+            for i in range(len(part)):
+                size = sizes[i] if i < len(sizes) else None
                 got = seen[i]
                 if size is None:  # missing, or not read: the read was cut there
                     return i, "missing", failed
