@@ -25,7 +25,7 @@ import gc
 import json
 import os
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -598,23 +598,34 @@ class TestFork:
         assert_closed_cleanly(mgr, fake, address)
 
 
+@pytest.fixture
+def held_prepare(
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """The host engine's ``prepare`` held mid-entry: (``entered``, set once it runs;
+    ``go_on``, which lets it return; set at the test's end at the latest)."""
+    entered, go_on = threading.Event(), threading.Event()
+
+    def prepare(self: HostTransferEngine) -> None:
+        entered.set()
+        assert go_on.wait(TIMEOUT_S)
+
+    monkeypatch.setattr(HostTransferEngine, "prepare", prepare)
+    yield entered, go_on
+    go_on.set()
+
+
 class TestCloseRacesEntryAndCancellation:
     """A close during entry keeps the manager closed; a closer cancelled while it waits
     stops waiting, never the close; a waiter's `raise ... from` leaves the error intact."""
 
     async def test_close_while_the_engine_prepares(
-        self, monkeypatch: pytest.MonkeyPatch, shm_name: str
+        self, held_prepare: tuple[threading.Event, threading.Event], shm_name: str
     ) -> None:
         """The close returns once the entry has let go of all it opened (a hostile
         trial: aclose() returned at once, and the shared file, the mapping and the
         engine's thread outlived it: reopening the name then was refused)."""
-        entered, go_on = threading.Event(), threading.Event()
-
-        def prepare(self: HostTransferEngine) -> None:
-            entered.set()
-            assert go_on.wait(TIMEOUT_S)
-
-        monkeypatch.setattr(HostTransferEngine, "prepare", prepare)
+        entered, go_on = held_prepare
         fake = FakeBackend()
         mgr = make(fake, backing="shared", name=shm_name)
         failure: list[BaseException] = []
@@ -650,17 +661,11 @@ class TestCloseRacesEntryAndCancellation:
             mgr.store([0], [0])
 
     async def test_a_close_inside_a_hold_during_entry_is_refused(
-        self, monkeypatch: pytest.MonkeyPatch
+        self, held_prepare: tuple[threading.Event, threading.Event]
     ) -> None:
         """A close from NEW waits for the entry, whose set-up may wait for the hold: from
         inside ``pinning_paused()`` it is refused, changing nothing, as from OPEN."""
-        entered, go_on = threading.Event(), threading.Event()
-
-        def prepare(self: HostTransferEngine) -> None:
-            entered.set()
-            assert go_on.wait(TIMEOUT_S)
-
-        monkeypatch.setattr(HostTransferEngine, "prepare", prepare)
+        entered, go_on = held_prepare
         mgr = make(FakeBackend())
         with anyio.fail_after(TIMEOUT_S):
             async with anyio.create_task_group() as tg:
@@ -677,18 +682,12 @@ class TestCloseRacesEntryAndCancellation:
             await mgr.aclose()
 
     def test_a_natively_cancelled_closer_during_entry_loses_no_close(
-        self, monkeypatch: pytest.MonkeyPatch
+        self, held_prepare: tuple[threading.Event, threading.Event]
     ) -> None:
         """asyncio only: a closer from NEW waiting for the entry, cancelled with asyncio's
         own ``Task.cancel()`` (a review: the close was then never marked over, and every
         later aclose() waited for ever)."""
-        entered, go_on = threading.Event(), threading.Event()
-
-        def prepare(self: HostTransferEngine) -> None:
-            entered.set()
-            assert go_on.wait(TIMEOUT_S)
-
-        monkeypatch.setattr(HostTransferEngine, "prepare", prepare)
+        entered, go_on = held_prepare
 
         async def run() -> None:
             mgr = make(FakeBackend())
@@ -710,17 +709,11 @@ class TestCloseRacesEntryAndCancellation:
         asyncio.run(run())
 
     async def test_a_close_from_another_loop_during_entry_is_refused(
-        self, monkeypatch: pytest.MonkeyPatch
+        self, held_prepare: tuple[threading.Event, threading.Event]
     ) -> None:
         """As from OPEN (a review: from NEW during an entry it waited on the entering
         loop's event from a foreign loop)."""
-        entered, go_on = threading.Event(), threading.Event()
-
-        def prepare(self: HostTransferEngine) -> None:
-            entered.set()
-            assert go_on.wait(TIMEOUT_S)
-
-        monkeypatch.setattr(HostTransferEngine, "prepare", prepare)
+        entered, go_on = held_prepare
         mgr = make(FakeBackend())
         refused: list[BaseException] = []
 
