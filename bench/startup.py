@@ -49,6 +49,7 @@ Figures: bench/RESULTS.md#startup.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import ctypes.util
 import gc
@@ -64,6 +65,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import anyio
 import anyio.to_thread
@@ -103,6 +105,12 @@ BACKEND_CALLS: dict[int, list[tuple[str, float, float]]] = {}
 # A collection holds the GIL, so every Python thread, the event loop's too, waits it out.
 GC_SPANS: list[tuple[int, float, float]] = []
 _gc_started = [0.0]
+# The capturing thread's steps: (name, start, end) on the bench's clock. "enter" is
+# torch.cuda.graph's entry (a device-wide synchronize, then, with --captures torch, the
+# cache emptied: cudaFree of the last graph's memory), "body" the capture, "exit" its
+# end (the graph instantiated), "replay" the replay and its stream's synchronize,
+# "release" the graph dropped.
+CAPTURE_SPANS: list[tuple[str, float, float]] = []
 
 
 def _on_gc(phase: str, info: dict[str, int]) -> None:
@@ -212,9 +220,10 @@ class KernelStacks:
     START_S = 30.0  # for the sampler's first sweep (an interpreter's start)
     STOP_S = 60.0
 
-    def __init__(self, loop_tid: int) -> None:
+    def __init__(self, loop_tid: int, others: list[int]) -> None:
         self.spans: list[list[Any]] = []
         self.sweeps = 0
+        self._others = set(others)  # sampled whatever their state: the step, the captures
         self._proc = subprocess.Popen(
             [
                 sys.executable,
@@ -222,6 +231,7 @@ class KernelStacks:
                 str(os.getpid()),
                 "0.0005",
                 str(loop_tid),
+                *map(str, others),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -259,6 +269,7 @@ class KernelStacks:
         lo, hi = start + Clock.t0, end + Clock.t0
         loop: collections.Counter[str] = collections.Counter()
         blocked: collections.Counter[str] = collections.Counter()
+        others: collections.Counter[str] = collections.Counter()
         for tid, _name, first, last, state, stack in self.spans:
             seen = min(last + 0.0005, hi) - max(first, lo)
             if seen <= 0:
@@ -266,11 +277,14 @@ class KernelStacks:
             role = role_at(tid, max(first, lo) - Clock.t0)
             if role == "loop":
                 loop[f"{state}: {stack}"] += seen
+            elif tid in self._others:
+                others[f"{role} {state}: {stack}"] += seen
             if state == "D":
                 blocked[f"{role}: {stack}"] += seen
         return {
             "loop": [[k, round(v, 4)] for k, v in loop.most_common(3)],
             "blocked": [[k, round(v, 4)] for k, v in blocked.most_common(6)],
+            "others": [[k, round(v, 4)] for k, v in others.most_common(6)],
         }
 
 
@@ -335,9 +349,18 @@ class StepLog(GpuStepper):
 
 
 class Capturer:
-    """Captures and replays a graph of 4 small matmuls every 20 ms in a thread."""
+    """Captures and replays a graph of 4 small matmuls every 20 ms in a thread, each
+    step's span kept (``CAPTURE_SPANS``).
 
-    def __init__(self) -> None:
+    ``recipe``: ``torch``, ``torch.cuda.graph`` as it comes (each capture's entry
+    empties torch's cache: the last graph's memory freed with cudaFree, which waits for
+    the device); ``vllm``, as vLLM's graph wrapper captures (``CUDAGraphWrapper``): one
+    memory pool shared by every graph, and ``gc.collect`` and ``torch.cuda.empty_cache``
+    made no-ops while a graph is captured."""
+
+    def __init__(self, recipe: str = "torch") -> None:
+        self.recipe = recipe
+        self.pool = torch.cuda.graph_pool_handle() if recipe == "vllm" else None
         self.x = torch.randn(1024, 1024, device="cuda")
         self.stream = torch.cuda.Stream()
         self.captured = self.failed = 0
@@ -356,17 +379,41 @@ class Capturer:
         ROLES[threading.get_native_id()] = "capture"
         while not self._stop.wait(0.02):
             try:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="relaxed"):
-                    y = self.x
-                    for _ in range(4):
-                        y = y @ self.x
-                graph.replay()
-                self.stream.synchronize()
+                self._capture()
                 self.captured += 1
             except Exception as exc:  # counted: a failed capture is the result
                 self.failed += 1
                 self.errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    def _capture(self) -> None:
+        spans, now = CAPTURE_SPANS, Clock.now
+        with contextlib.ExitStack() as stack:
+            if self.recipe == "vllm":
+                stack.enter_context(mock.patch("gc.collect", lambda *a: 0))
+                stack.enter_context(mock.patch("torch.cuda.empty_cache", lambda: None))
+            graph = torch.cuda.CUDAGraph()
+            t0 = now()
+            with torch.cuda.graph(
+                graph, pool=self.pool, stream=self.stream, capture_error_mode="relaxed"
+            ):
+                t1 = now()
+                y = self.x
+                for _ in range(4):
+                    y = y @ self.x
+                t2 = now()
+            t3 = now()
+        graph.replay()
+        self.stream.synchronize()
+        t4 = now()
+        del graph, y
+        t5 = now()
+        spans += [
+            ("enter", t0, t1),
+            ("body", t1, t2),
+            ("exit", t2, t3),
+            ("replay", t3, t4),
+            ("release", t4, t5),
+        ]
 
 
 class TimedBackend:
@@ -568,6 +615,12 @@ def phases(
             for name, a, b in run.calls
             if a <= hi and b >= lo
         ]
+        # The capturing thread's steps then: (name, start from the phase's start, duration).
+        out[f"lag_{phase}_capture"] = [
+            [name, round(a - start, 4), round(b - a, 4)]
+            for name, a, b in CAPTURE_SPANS
+            if a <= hi and b >= lo
+        ]
         # Garbage collections then: (generation, start from the phase's start, duration).
         out[f"lag_{phase}_gc"] = [
             [gen, round(a - start, 4), round(b - a, 4)]
@@ -579,6 +632,24 @@ def phases(
             out[f"steps_{phase}"] = [
                 [round(s - start, 4), round(e - s, 4)] for s, e in steps.within(start, end)
             ][:2000]
+            # The longest step's span, and what else went on then: the capturing thread's
+            # steps and the backend's calls (name, start from the phase's start, duration).
+            longest = max(steps.within(start, end), key=lambda se: se[1] - se[0], default=None)
+            if longest is not None:
+                a0, b0 = longest
+                out[f"longest_step_{phase}"] = {
+                    "at": [round(a0 - start, 4), round(b0 - a0, 4)],
+                    "capture": [
+                        [name, round(a - start, 4), round(b - a, 4)]
+                        for name, a, b in CAPTURE_SPANS
+                        if a <= b0 and b >= a0
+                    ],
+                    "calls": [
+                        [name, round(a - start, 4), round(b - a, 4)]
+                        for name, a, b in run.calls
+                        if a <= b0 and b >= a0
+                    ][:20],
+                }
     return out
 
 
@@ -586,7 +657,8 @@ async def one(
     recipe: str, nbytes: int, hb: Heartbeat, steps: StepLog | None, step_alone: float, args: Any
 ) -> dict[str, Any]:
     run = Run(recipe, nbytes)
-    kstacks = KernelStacks(hb.native_id) if args.stacks == "kernel" else None
+    watched = [tid for tid, role in ROLES.items() if role in ("step", "capture")]
+    kstacks = KernelStacks(hb.native_id, watched) if args.stacks == "kernel" else None
     try:
         if recipe == "asyncpin":
             layout, arrays = kv_layout(256 if torch.cuda.is_available() else 4)
@@ -616,21 +688,33 @@ async def one(
         file=sys.stderr,
         flush=True,
     )
-    for phase in ("entering", "pinning", "closing"):
+    for phase in ("entering", "pinning", "serving", "closing"):
         lo, hi = result[f"lag_{phase}_window"]
         long_calls = [c for c in result[f"lag_{phase}_calls"] if c[2] >= 0.05]
         print(
             f"    worst {phase} lag at {lo:.3f}-{hi:.3f} s; backend calls under way then: "
             f"{len(result[f'lag_{phase}_calls'])}, of 50 ms or more: {long_calls}; "
-            f"garbage collections then: {result[f'lag_{phase}_gc']}",
+            f"garbage collections then: {result[f'lag_{phase}_gc']}; "
+            f"capture steps then: {result[f'lag_{phase}_capture'][:6]}",
             file=sys.stderr,
             flush=True,
         )
+        longest = result.get(f"longest_step_{phase}")
+        if longest is not None:
+            (at, took), calls = longest["at"], longest["calls"]
+            print(
+                f"    longest {phase} step at {at:.3f} s, {took * 1e3:.1f} ms; capture steps "
+                f"then: {longest['capture'][:6]}; backend calls then: {len(calls)}, the "
+                f"longest {max((c[2] for c in calls), default=0):.4f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         kernel = result.get(f"lag_{phase}_kernel")
         if kernel is not None:
             print(
                 f"    kernel stacks then (thread: stack, seconds seen): loop "
-                f"{kernel['loop'][:2]}; blocked {kernel['blocked'][:4]}",
+                f"{kernel['loop'][:2]}; blocked {kernel['blocked'][:4]}; step and "
+                f"captures {kernel['others'][:4]}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -687,7 +771,7 @@ async def bench(args: Any) -> dict[str, Any]:
     gpu = torch.cuda.is_available()
     steps = StepLog() if gpu else None
     alone = steps.alone_s() if steps is not None else 0.0
-    capturer = Capturer() if gpu else None
+    capturer = Capturer(args.captures) if gpu else None
     gate = install_capture_gate()
     hb = Heartbeat(args.stacks)
     doc: dict[str, Any] = {
@@ -695,6 +779,8 @@ async def bench(args: Any) -> dict[str, Any]:
         "step_alone_s": alone,
         "stacks": args.stacks,
         "chunk_bytes_asked": args.chunk_bytes,
+        "captures_recipe": args.captures,
+        "gc_freeze": args.gc_freeze,
         "sizes": {},
     }
     async with anyio.create_task_group() as tg:
@@ -841,6 +927,13 @@ def main() -> int:
         action="store_true",
         help="gc.collect() then gc.freeze() once the model's loop runs, before any recipe "
         "(a server's long-lived heap kept out of the collector's full collections)",
+    )
+    p.add_argument(
+        "--captures",
+        choices=("torch", "vllm"),
+        default="torch",
+        help="how the capturing thread captures: torch.cuda.graph as it comes (torch), or "
+        "as vLLM's graph wrapper does, one shared pool and no cache emptying (vllm)",
     )
     p.add_argument(
         "--stacks",

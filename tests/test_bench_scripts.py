@@ -121,9 +121,10 @@ def test_startup_samples_what_it_is_asked_to(stacks: str, tmp_path: Path) -> Non
     (run_doc,) = [r for r in runs if r["recipe"] == "asyncpin"]
     for phase in ("entering", "pinning", "serving", "closing"):
         assert isinstance(run_doc[f"lag_{phase}_gc"], list)
+        assert isinstance(run_doc[f"lag_{phase}_capture"], list)  # no GPU: no captures
         if doc["stacks"] == "kernel":
             kernel = run_doc[f"lag_{phase}_kernel"]
-            assert set(kernel) == {"loop", "blocked"}
+            assert set(kernel) == {"loop", "blocked", "others"}
         else:
             assert f"lag_{phase}_kernel" not in run_doc
     if doc["stacks"] == "kernel":  # the sampler swept the threads while the run went on
