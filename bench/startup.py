@@ -787,13 +787,13 @@ async def bench(args: Any) -> dict[str, Any]:
         await tg.start(hb.run)
         if steps is not None:
             steps.start()
+        if args.gc_freeze:  # before the captures: --captures vllm patches gc.collect out
+            gc.collect()
+            gc.freeze()
+            doc["gc_frozen_objects"] = gc.get_freeze_count()
         if capturer is not None:
             capturer.start()
         try:
-            if args.gc_freeze:
-                gc.collect()
-                gc.freeze()
-                doc["gc_frozen_objects"] = gc.get_freeze_count()
             doc["quiet"] = await quiet(hb, steps, alone, 0.2 if args.quick else 2.0)
             if args.cold:
                 # The copy kernel's load (once per process) out of the cold figures.
