@@ -5,8 +5,9 @@ A session is a list of steps (open a KV manager, store, load, await a transfer, 
 task that awaits one, let pinning progress, pause and resume pinning from a plain thread,
 inject a pin or unpin failure, overwrite device blocks, try bad input, close: once,
 twice, concurrently or from a cancelled task). Each example runs in its own event loop
-(asyncio, and trio when it is installed) in a thread of its own, so that a hang, even one
-inside a shielded close, fails the example instead of the whole run.
+(asyncio or trio, drawn with the session; trio when it is installed; the known sessions
+run on both) in a thread of its own, so that a hang, even one inside a shielded close,
+fails the example instead of the whole run.
 
 After every step the model checks:
 
