@@ -17,6 +17,7 @@ from typing import Any, Literal, Protocol, SupportsIndex, cast
 
 import anyio
 import anyio.to_thread
+import structlog
 import torch
 
 from asyncpin._outcome import Outcome
@@ -39,6 +40,8 @@ __all__ = [
     "host_bytes_view",
     "interrupted",
 ]
+
+_log = structlog.get_logger("asyncpin")
 
 Direction = Literal["store", "load"]
 Method = Literal["auto", "host", "batch", "pack", "kernel"]
@@ -90,7 +93,10 @@ class Transfer(Outcome):
 
     def add_done_callback(self, callback: Callable[[Transfer], None]) -> None:
         """Call ``callback(transfer)`` on the event loop when the transfer finishes (at
-        once if it has): done or failed (``transfer.error``), its device work over."""
+        once if it has): done or failed (``transfer.error``), its device work over. An
+        exception from a callback called when the transfer finishes is logged
+        (``transfer.callback_failed``) and reaches neither the other callbacks, the
+        engine nor the manager; one called at once raises to the caller."""
         if self.done():
             callback(self)
         else:
@@ -102,7 +108,14 @@ class Transfer(Outcome):
             self.t_done = t_done
             callbacks, self._callbacks = self._callbacks, []  # a kept handle keeps nothing else
             for callback in callbacks:
-                callback(self)
+                # The engine finishes its jobs through here: a callback's error must not
+                # stop it settling the others (a close waits for every one of them).
+                try:
+                    callback(self)
+                except Exception as exc:
+                    _log.error(
+                        "transfer.callback_failed", callback=shown(callback), error=shown(exc)
+                    )
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "in flight"

@@ -755,7 +755,23 @@ def test_a_plan_ends_once() -> None:
     assert index.stats().free_blocks == 2
 
 
-@pytest.mark.parametrize("ok", [1, 0, "yes", None, 1.0, [1, "x"], b"\x01"])
+@pytest.mark.parametrize(
+    "ok",
+    [
+        1,
+        0,
+        "yes",
+        None,
+        1.0,
+        [1, "x"],
+        b"\x01",
+        # 0-d arrays of numbers: one value, not hashes (a hostile trial: TypeError)
+        np.array(1),
+        np.array(1.0),
+        torch.tensor(1),
+        torch.tensor([1, 1]).min(),
+    ],
+)
 def test_end_store_refuses_an_ok_that_is_neither_a_bool_nor_hashes(ok: object) -> None:
     index = BlockIndex(2)
     plan = index.begin_store([1, 2])
@@ -827,3 +843,40 @@ def test_a_listener_whose_error_cannot_be_written_reaches_no_caller() -> None:
         index.remove([2])
     assert [e.kind for e in seen] == ["stored", "stored", "removed"]
     assert [log["event"] for log in logs] == ["tier.listener_failed"] * 3
+
+
+def test_a_listener_that_removes_itself_leaves_the_others_their_events() -> None:
+    """A one-shot listener removing itself while an event is handed out (a hostile
+    trial: the next listener missed that event)."""
+    index = BlockIndex(4)
+    got_a: list[BlockEvent] = []
+    got_b: list[BlockEvent] = []
+
+    def once(event: BlockEvent) -> None:
+        got_a.append(event)
+        index.remove_listener(once)
+
+    index.add_listener(once)
+    index.add_listener(got_b.append)
+    index.end_store(index.begin_store([1]), ok=True)
+    index.end_store(index.begin_store([2]), ok=True)
+    assert [e.block_hash for e in got_a] == [1]
+    assert [e.block_hash for e in got_b] == [1, 2]
+
+
+def test_events_of_a_listeners_own_change_come_after_the_event_it_handles() -> None:
+    """A listener that changes the index: every listener sees the events in the order of
+    the index's changes (a hostile trial: the other listener saw "removed" before
+    "stored" and was left believing the block stored)."""
+    index = BlockIndex(4)
+    seen: list[tuple[str, object]] = []
+
+    def evict_one(event: BlockEvent) -> None:
+        if event.kind == "stored" and event.block_hash == 1:
+            index.remove([1])
+
+    index.add_listener(evict_one)
+    index.add_listener(lambda e: seen.append((e.kind, e.block_hash)))
+    index.end_store(index.begin_store([1, 2]), ok=True)
+    assert seen == [("stored", 1), ("stored", 2), ("removed", 1)]
+    assert 1 not in index and 2 in index

@@ -16,6 +16,7 @@ import anyio.from_thread
 import anyio.to_thread
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from asyncpin import (
     KVLayout,
@@ -192,3 +193,54 @@ class TestCancellation:
                 model.load(cpu, gpu)
                 model.check()
                 assert mgr.stats().transfers_in_flight == 0
+
+
+class TestDoneCallbacks:
+    """A done callback that raises is logged; the other callbacks run, the other transfers
+    finish and the close completes (it waits for every transfer)."""
+
+    async def test_raising_callbacks_settle_every_transfer(
+        self, copy_gate: CopyGate, gen: torch.Generator
+    ) -> None:
+        layout = small_kv(gen)
+        ran: list[str] = []
+
+        def broken(transfer: Transfer) -> None:
+            raise ValueError("callback bug")
+
+        with anyio.fail_after(TIMEOUT_S), capture_logs() as logs:
+            async with small_manager(layout, FakeBackend()) as mgr:
+                await mgr.pinned
+                pairs = [([g], chunk_ids(layout, 4 + g, 1)) for g in range(3)]
+                with releasing(copy_gate):
+                    transfers = [mgr.store(g, c) for g, c in pairs]
+                    await copy_gate.wait_entered()  # the engine's jobs are under way
+                    for i, t in enumerate(transfers[:2]):
+                        t.add_done_callback(broken)
+                        t.add_done_callback(lambda t, i=i: ran.append(f"after {i}"))
+                for transfer in transfers:
+                    await transfer
+                    assert transfer.error is None
+                for g, c in pairs:
+                    check_stored(mgr, layout, g, c)
+                assert ran == ["after 0", "after 1"]
+        assert mgr.state.value == "closed"
+        failed = [e for e in logs if e["event"] == "transfer.callback_failed"]
+        assert len(failed) == 2
+        assert "callback bug" in failed[0]["error"]
+
+    async def test_callback_on_a_finished_transfer_raises_to_its_caller(
+        self, gen: torch.Generator
+    ) -> None:
+        layout = small_kv(gen)
+        with anyio.fail_after(TIMEOUT_S):
+            async with small_manager(layout, FakeBackend()) as mgr:
+                await mgr.pinned
+                transfer = mgr.store([0], chunk_ids(layout, 4, 1))
+                await transfer
+
+                def broken(transfer: Transfer) -> None:
+                    raise ValueError("callback bug")
+
+                with pytest.raises(ValueError, match="callback bug"):
+                    transfer.add_done_callback(broken)

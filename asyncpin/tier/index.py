@@ -128,6 +128,7 @@ class BlockIndex:
         self._listeners: list[Callable[[BlockEvent], None]] = []
         # Events of the call under way, given to listeners once the index is consistent.
         self._events: list[BlockEvent] = []
+        self._flushing = False  # handing events out (``_flush``)
         # Hashes a store under way reported present: never its eviction victims.
         self._keep: set[BlockHash] = set()
         self._open_plans: set[int] = set()  # id() of the plans not ended yet
@@ -209,14 +210,27 @@ class BlockIndex:
             self._events.append(BlockEvent(kind, h, block))
 
     def _flush(self) -> None:
-        """Hand the call's events to the listeners, once the index is consistent."""
-        events, self._events = self._events, []
-        for event in events:
-            for listener in self._listeners:
-                try:
-                    listener(event)
-                except Exception as exc:
-                    _log.error("tier.listener_failed", listener=shown(listener), error=shown(exc))
+        """Hand the call's events to the listeners, once the index is consistent, in the
+        order of the index's changes: a listener that changes the index queues that
+        change's events after the ones being handed out (the outer call hands them out,
+        not a nested one), and each event goes to the listeners there when it is handed
+        out (one that removes itself or another changes no one else's events)."""
+        if self._flushing:
+            return
+        self._flushing = True
+        try:
+            while self._events:
+                events, self._events = self._events, []
+                for event in events:
+                    for listener in tuple(self._listeners):
+                        try:
+                            listener(event)
+                        except Exception as exc:
+                            _log.error(
+                                "tier.listener_failed", listener=shown(listener), error=shown(exc)
+                            )
+        finally:
+            self._flushing = False
 
     # -- stores ---------------------------------------------------------------------------
 
@@ -416,13 +430,21 @@ def _ok_of(ok: object) -> bool | frozenset[BlockHash]:
     named."""
     if isinstance(ok, bool):
         return ok
-    if getattr(ok, "shape", None) == () and str(getattr(ok, "dtype", "")) in ("bool", "torch.bool"):
-        return bool(ok)
+    if getattr(ok, "shape", None) == ():  # a 0-d array: one value, not hashes
+        dtype = str(getattr(ok, "dtype", ""))
+        if dtype in ("bool", "torch.bool"):
+            return bool(ok)
+        raise InvalidTransferError(
+            f"end_store's ok is a bool or the hashes whose copy succeeded, not a 0-d "
+            f"{type(ok).__name__} of {dtype or 'another type'}"
+        )
     if isinstance(ok, Collection) and not isinstance(ok, (str, bytes, bytearray, memoryview)):
         try:
             return frozenset(all_checked(ok))
         except InvalidTransferError as e:
             raise InvalidTransferError(f"end_store's ok names a bad hash: {e}") from None
+        except TypeError as e:  # a collection that cannot be iterated after all
+            raise InvalidTransferError(f"end_store's ok cannot be read as hashes: {e}") from None
     raise InvalidTransferError(
         f"end_store's ok is a bool or the hashes whose copy succeeded, not {type(ok).__name__}"
     )
