@@ -203,17 +203,19 @@ def _check_apart(arrays: list[torch.Tensor], sizes: list[int]) -> None:
     same memory (a cache shared between layers): a load into one would otherwise write
     another array's blocks. Arrays are compared by their blocks' byte ranges, block ``g``
     at ``ptr + g * stride``: apart when their extents are, or, with one stride, when their
-    blocks sit at offsets that never meet modulo the stride."""
+    blocks sit at offsets that never meet modulo the stride. Whatever their storages: two
+    storages may hold the same memory (``torch.from_numpy`` of two views of one array,
+    DLPack, ``frombuffer``)."""
     spans = []
     for array, size in zip(arrays, sizes, strict=True):
         ptr = array.data_ptr()
         stride = array.stride(0) * array.dtype.itemsize
         end = ptr + (array.shape[0] - 1) * stride + size
-        spans.append((array.untyped_storage().data_ptr(), ptr, stride, size, end))
-    for i, (store_a, a, sa, za, ea) in enumerate(spans):
+        spans.append((ptr, stride, size, end))
+    for i, (a, sa, za, ea) in enumerate(spans):
         for j in range(i):
-            store_b, b, sb, zb, eb = spans[j]
-            if store_a != store_b or ea <= b or eb <= a or (a, sa, za) == (b, sb, zb):
+            b, sb, zb, eb = spans[j]
+            if ea <= b or eb <= a or (a, sa, za) == (b, sb, zb):
                 continue
             if sa == sb and sa >= za and sa >= zb and len(arrays[i]) > 1:
                 d = (b - a) % sa

@@ -365,6 +365,21 @@ class TestRefusedLayouts:
         with pytest.raises(ConfigError, match="overlap"):
             KVLayout.from_tensors([base[:, :4], base[:, 2:]])  # half of each block shared
 
+    def test_the_same_memory_through_two_storages_is_compared_too(self) -> None:
+        """Two storages over one buffer (``from_numpy`` of two views of an array; DLPack,
+        ``frombuffer`` alike): overlapping blocks are refused, apart ones taken (a hostile
+        trial: overlapping arrays of two storages were taken, and a load of one wrote the
+        other's blocks)."""
+        buf = np.zeros((16, 64), np.float32)
+        with pytest.raises(ConfigError, match="overlap"):
+            KVLayout.from_tensors([torch.from_numpy(buf[:, :40]), torch.from_numpy(buf[:, 32:])])
+        apart = KVLayout.from_tensors(
+            [torch.from_numpy(buf[:, :32]), torch.from_numpy(buf[:, 32:])]
+        )
+        assert apart.num_arrays == 2
+        same = KVLayout.from_tensors([torch.from_numpy(buf), torch.from_numpy(buf)])
+        assert same.num_arrays == 2  # one cache two layers share
+
     def test_arrays_side_by_side_or_the_same_memory_are_taken(self) -> None:
         major = torch.zeros(8, 2, 4)  # block-major: K and V of a block side by side
         assert KVLayout.from_tensors([major[:, 0], major[:, 1]]).num_arrays == 2
