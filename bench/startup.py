@@ -361,6 +361,9 @@ class Capturer:
     def __init__(self, recipe: str = "torch") -> None:
         self.recipe = recipe
         self.pool = torch.cuda.graph_pool_handle() if recipe == "vllm" else None
+        # vllm: the last graph kept until the next is captured, so that the shared pool
+        # always has a graph (torch releases a pool whose last graph is gone).
+        self._kept: Any = None
         self.x = torch.randn(1024, 1024, device="cuda")
         self.stream = torch.cuda.Stream()
         self.captured = self.failed = 0
@@ -405,6 +408,8 @@ class Capturer:
         graph.replay()
         self.stream.synchronize()
         t4 = now()
+        if self.pool is not None:
+            graph, self._kept = self._kept, graph  # the previous one goes
         del graph, y
         t5 = now()
         spans += [
