@@ -216,8 +216,12 @@ class TestDoneCallbacks:
                     transfers = [mgr.store(g, c) for g, c in pairs]
                     await copy_gate.wait_entered()  # the engine's jobs are under way
                     for i, t in enumerate(transfers[:2]):
+
+                        def after(transfer: Transfer, i: int = i) -> None:
+                            ran.append(f"after {i}")
+
                         t.add_done_callback(broken)
-                        t.add_done_callback(lambda t, i=i: ran.append(f"after {i}"))
+                        t.add_done_callback(after)
                 for transfer in transfers:
                     await transfer
                     assert transfer.error is None
