@@ -20,6 +20,7 @@ import anyio.to_thread
 import structlog
 import torch
 
+from asyncpin._log import ShieldedLog
 from asyncpin._outcome import Outcome
 from asyncpin._text import shown
 from asyncpin.errors import ConfigError, InvalidTransferError
@@ -41,7 +42,9 @@ __all__ = [
     "interrupted",
 ]
 
-_log = structlog.get_logger("asyncpin")
+# Callback errors when no manager's logger was given (``Transfer.log``); a failing sink
+# must not stop the callbacks and jobs that follow.
+_log = ShieldedLog(structlog.get_logger("asyncpin"))
 
 Direction = Literal["store", "load"]
 Method = Literal["auto", "host", "batch", "pack", "kernel"]
@@ -63,6 +66,7 @@ class Transfer(Outcome):
         "_callbacks",
         "direction",
         "event",
+        "log",
         "method",
         "nbytes",
         "num_blocks",
@@ -78,6 +82,7 @@ class Transfer(Outcome):
         self.method: str = "-"
         self.path: str = "pinned"
         self.event: Any = None
+        self.log: ShieldedLog = _log  # the manager's, set by its router
         self.t_submit = time.perf_counter()
         self.t_done: float | None = None
         super().__init__()
@@ -113,7 +118,7 @@ class Transfer(Outcome):
                 try:
                     callback(self)
                 except Exception as exc:
-                    _log.error(
+                    self.log.error(
                         "transfer.callback_failed", callback=shown(callback), error=shown(exc)
                     )
 

@@ -880,3 +880,27 @@ def test_events_of_a_listeners_own_change_come_after_the_event_it_handles() -> N
     index.end_store(index.begin_store([1, 2]), ok=True)
     assert seen == [("stored", 1), ("stored", 2), ("removed", 1)]
     assert 1 not in index and 2 in index
+
+
+def test_listeners_that_answer_their_own_changes_without_end_let_the_call_return() -> None:
+    """A listener that stores back each block evicted, in a full index: every store evicts
+    another, whose event stores it back... (a review: the call never returned). The call
+    returns after a bounded number of rounds, says so, and the index stays whole."""
+    index = BlockIndex(4)
+    for h in range(4):
+        index.end_store(index.begin_store([h]), ok=True)
+    answered = [0]
+
+    def store_back(event: BlockEvent) -> None:
+        if event.kind == "removed":
+            answered[0] += 1
+            index.end_store(index.begin_store([event.block_hash]), ok=True)
+
+    index.add_listener(store_back)
+    with capture_logs() as logs:
+        index.end_store(index.begin_store([99]), ok=True)
+    # begin_store's eviction starts it, and end_store goes on with what was left
+    assert {e["event"] for e in logs} == {"tier.listener_cascade"} and len(logs) <= 2
+    assert 0 < answered[0] < 1000
+    s = index.stats()
+    assert len(index) == 4 and s.free_blocks == 0

@@ -11,6 +11,8 @@ hanging a shielded close. Every test runs on asyncio and on trio.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import anyio
 import anyio.from_thread
 import anyio.to_thread
@@ -248,3 +250,46 @@ class TestDoneCallbacks:
 
                 with pytest.raises(ValueError, match="callback bug"):
                     transfer.add_done_callback(broken)
+
+    @pytest.mark.parametrize("sink", ["records", "fails"])
+    async def test_callback_errors_go_to_the_managers_logger_whatever_it_does(
+        self, sink: str, copy_gate: CopyGate, gen: torch.Generator
+    ) -> None:
+        """The manager's ``logger=`` gets the error; one whose every line fails (a closed
+        stdout) changes nothing either (a review: an unshielded log line raised in place of
+        the callback's error, and the jobs after it were failed as interrupted)."""
+        layout = small_kv(gen)
+        lines: list[str] = []
+
+        class Log:
+            def bind(self, **_: object) -> Log:
+                return self
+
+            def __getattr__(self, level: str) -> Callable[..., None]:
+                def write(event: str, **_: object) -> None:
+                    if sink == "fails":
+                        raise BrokenPipeError(32, "Broken pipe")
+                    lines.append(event)
+
+                return write
+
+        ran: list[int] = []
+
+        def broken(transfer: Transfer) -> None:
+            raise ValueError("callback bug")
+
+        with anyio.fail_after(TIMEOUT_S):
+            async with small_manager(layout, FakeBackend(), logger=Log()) as mgr:
+                await mgr.pinned
+                with releasing(copy_gate):
+                    transfers = [mgr.store([g], chunk_ids(layout, 4 + g, 1)) for g in range(2)]
+                    await copy_gate.wait_entered()
+                    transfers[0].add_done_callback(broken)
+                    for t in transfers:
+                        t.add_done_callback(lambda t: ran.append(len(ran)))
+                for transfer in transfers:
+                    await transfer
+                    assert transfer.error is None
+                assert ran == [0, 1]
+        assert mgr.state.value == "closed"
+        assert lines.count("transfer.callback_failed") == (1 if sink == "records" else 0)

@@ -214,12 +214,17 @@ class BlockIndex:
         order of the index's changes: a listener that changes the index queues that
         change's events after the ones being handed out (the outer call hands them out,
         not a nested one), and each event goes to the listeners there when it is handed
-        out (one that removes itself or another changes no one else's events)."""
+        out (one that removes itself or another changes no one else's events). At most
+        ``_MAX_FLUSH_ROUNDS`` rounds of such changes' events per call: listeners that
+        answer their own changes without end get the rest with the next call's events
+        (logged, ``tier.listener_cascade``), and the call returns."""
         if self._flushing:
             return
         self._flushing = True
         try:
-            while self._events:
+            for _ in range(_MAX_FLUSH_ROUNDS):
+                if not self._events:
+                    return
                 events, self._events = self._events, []
                 for event in events:
                     for listener in tuple(self._listeners):
@@ -229,6 +234,16 @@ class BlockIndex:
                             _log.error(
                                 "tier.listener_failed", listener=shown(listener), error=shown(exc)
                             )
+            if not self._events:
+                return
+            # Listeners that answer each other's changes with changes without end: the
+            # call returns, and what is left goes out with the next call's events.
+            _log.error(
+                "tier.listener_cascade",
+                rounds=_MAX_FLUSH_ROUNDS,
+                events_left=len(self._events),
+                reason="listeners changed the index in answer to their own events",
+            )
         finally:
             self._flushing = False
 
@@ -423,6 +438,11 @@ class BlockIndex:
         else:
             del self._draining[block]
             self._free.append(block)
+
+
+# Rounds of events a call hands out: the call's own, then those of the changes its
+# listeners made, and so on.
+_MAX_FLUSH_ROUNDS = 64
 
 
 def _ok_of(ok: object) -> bool | frozenset[BlockHash]:
