@@ -194,6 +194,13 @@ class TestTransferEngineConformance:
         check = functools.partial(check_transfer_engine, num_host_blocks=20, pageable_blocks=6)
         run(check, anyio_backend, HostTransferEngine, layout)
 
+    def test_blocks_under_a_page_need_no_host_block_count(self, anyio_backend: str) -> None:
+        """Host blocks of 256 bytes, 16 to a one-page chunk: the default number of host
+        blocks leaves enough pinned and pageable ones (a hostile trial: the defaults
+        raised ValueError, asking for more host blocks)."""
+        layout = KVLayout.from_tensors([torch.zeros(12, 4, 8) for _ in range(2)])
+        run(check_transfer_engine, anyio_backend, HostTransferEngine, layout)
+
     @pytest.mark.parametrize("name", sorted(CASES))
     def test_host_engine_every_layout(self, anyio_backend: str, name: str) -> None:
         """Mixed block shapes and dtypes, dense permuted (HND) blocks, odd sizes."""

@@ -13,7 +13,7 @@ import torch
 
 from asyncpin.abc import EngineFactory, PinBackend, TransferEngine
 from asyncpin.kv import KVLayout
-from asyncpin.testing._engine_harness import BATCH, EngineHarness
+from asyncpin.testing._engine_harness import BATCH, EngineHarness, default_host_blocks
 from asyncpin.transfers import Method
 
 __all__ = ["check_transfer_engine"]
@@ -26,7 +26,7 @@ async def check_transfer_engine(
     factory: EngineFactory,
     layout: KVLayout,
     *,
-    num_host_blocks: int = 16,
+    num_host_blocks: int | None = None,
     pageable_blocks: int = 4,
     chunk_bytes: int | None = None,
     method: Method = "auto",
@@ -37,8 +37,10 @@ async def check_transfer_engine(
     """Check that the engines ``factory`` makes keep the TransferEngine contract; raise
     AssertionError naming the clause broken.
 
-    Maps a region of ``num_host_blocks`` host blocks (chunks of ``chunk_bytes``, by
-    default one host block rounded up to a page), pins the chunks that hold the first
+    Maps a region of ``num_host_blocks`` host blocks (by default the fewest, 16 at
+    least, that leave blocks enough in pinned chunks and outside them: more where blocks
+    under a page lie many to a chunk; chunks of ``chunk_bytes``, by default one host
+    block rounded up to a page), pins the chunks that hold the first
     ``num_host_blocks - pageable_blocks`` blocks with ``backend`` (None: pins nothing; a
     copy engine that reads host memory from the device needs it, e.g.
     :class:`~asyncpin.cuda.CudaBackend` for the cuda engine), makes the engine on the
@@ -76,6 +78,8 @@ async def check_transfer_engine(
     for. The check cannot see the loop blocked by a ``submit`` that waits and reports
     later, nor require a store and a load to overlap (it is allowed, not demanded).
     """
+    if num_host_blocks is None:
+        num_host_blocks = default_host_blocks(layout.host_block_bytes, pageable_blocks, chunk_bytes)
     args = (factory, layout, num_host_blocks, pageable_blocks, chunk_bytes, backend)
     h = EngineHarness(*args, seed, timeout_s)
     shared = EngineHarness(*args, seed + 1, timeout_s, host_slice=(1, 2))

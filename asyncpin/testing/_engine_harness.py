@@ -82,6 +82,23 @@ def _split(
     return pinned_end, pinned, pageable
 
 
+def default_host_blocks(hbb: int, pageable_blocks: int, chunk_bytes: int | None) -> int:
+    """The fewest host blocks, 16 at least, that leave enough blocks in pinned chunks and
+    outside them for the check, alone and with rows shared by two ranks (blocks under a
+    page lie many to a chunk)."""
+    chunk = chunk_bytes or round_to_pages(hbb)
+    if chunk <= 0 or chunk % _sys.PAGE_SIZE:
+        return 16  # the harness says what is wrong with it
+    for n in range(16, 16 + 4 * (chunk // hbb + 1) + pageable_blocks):
+        try:
+            for host_slice in ((0, 1), (1, 2)):
+                _split(hbb, n, pageable_blocks, chunk, host_slice)
+        except ValueError:
+            continue
+        return n
+    return 16
+
+
 class EngineHarness:
     """One run of the check: :meth:`start` maps and pins the host blocks and makes the
     engine; :meth:`job`, :meth:`submit` and :meth:`wait` drive it, recording every report
