@@ -904,3 +904,21 @@ def test_listeners_that_answer_their_own_changes_without_end_let_the_call_return
     assert 0 < answered[0] < 1000
     s = index.stats()
     assert len(index) == 4 and s.free_blocks == 0
+
+
+@pytest.mark.parametrize("use", ["lookup", "touch", "load"])
+def test_a_lookup_leaves_the_order_alone_a_use_moves_it(use: str) -> None:
+    """As the policies' docstring says: ``lookup`` counts, ``touch`` and ``begin_load``
+    are uses (a peer-case trial read the docstring's old wording as lookup touching)."""
+    index = BlockIndex(2, policy="lru")
+    for h in (1, 2):
+        index.end_store(index.begin_store([h]), ok=True)
+    if use == "lookup":
+        assert index.lookup([1]) == 1
+    elif use == "touch":
+        index.touch([1])
+    else:
+        index.end_load([1], index.begin_load([1]))
+    index.end_store(index.begin_store([3]), ok=True)
+    kept = {h for h in (1, 2) if h in index}
+    assert kept == ({2} if use == "lookup" else {1})

@@ -143,7 +143,8 @@ class BlockIndex:
     # -- queries --------------------------------------------------------------------------
 
     def lookup(self, hashes: Iterable[BlockHash]) -> int:
-        """How many leading hashes are present and loadable."""
+        """How many leading hashes are present and loadable. It counts them and leaves the
+        policy's order alone: a use is ``begin_load`` (or ``touch``)."""
         checked = all_checked(hashes)
         n = 0
         for h in checked:

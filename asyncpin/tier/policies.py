@@ -4,7 +4,8 @@ The block index calls a policy synchronously, under its own bookkeeping, with th
 block hashes as keys:
 
 - ``insert(key)`` once a block's store completed (the key is not resident);
-- ``touch(key)`` on a hit (lookup, load or touch of a resident key);
+- ``touch(key)`` on a use of a resident key: ``begin_load`` (unless ``touch=False``) and
+  ``touch``; ``lookup`` only counts hits and leaves the order alone;
 - ``remove(key)`` when the user removes a resident key (no history is kept for it);
 - ``evict(evictable)`` when the index needs a free host block. The policy drops and returns
   its least valuable resident key for which ``evictable(key)`` is true, or ``None`` when
