@@ -16,7 +16,6 @@ from typing import Any, cast, get_args
 import anyio
 
 from asyncpin._config import UnpinnedPolicy
-from asyncpin._log import ShieldedLog
 from asyncpin._text import shown
 from asyncpin.abc import TransferEngine
 from asyncpin.chunks import ChunkTable
@@ -82,7 +81,6 @@ class TransferRouter:
         self._start_soon = start_soon
         self._observers = observers
         self._log = log
-        self._callback_log = ShieldedLog(log)  # a raising done callback, logged by its transfer
         self._fallbacks_logged: set[object] = set()
         self.counts = TransferCounts()
         self.in_flight: set[Transfer] = set()
@@ -207,7 +205,7 @@ class TransferRouter:
             )
         method = self.check_method(method)
         transfer = Transfer(direction, len(gpu), len(gpu) * nbytes)
-        transfer.log = self._callback_log
+        transfer.log = self._log  # the manager's, shielded: a raising done callback's
         return TransferJob(transfer, gpu, cpu, method, arrays, on_finish=_settle)
 
     def _spans(self, cpu_ids: list[int]) -> Iterator[tuple[int, int]]:

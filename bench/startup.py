@@ -582,6 +582,16 @@ async def peer_run(run: Run, opener: Callable[[Run], Any]) -> None:
     await anyio.sleep(0.005)
 
 
+def _during(
+    spans: list[tuple[Any, float, float]], lo: float, hi: float, start: float
+) -> list[list[Any]]:
+    """The spans (what, start, end) under way in [lo, hi], as (what, start from
+    ``start``, duration)."""
+    return [
+        [what, round(a - start, 4), round(b - a, 4)] for what, a, b in spans if a <= hi and b >= lo
+    ]
+
+
 def phases(
     run: Run,
     hb: Heartbeat,
@@ -615,23 +625,10 @@ def phases(
         # When the worst lag was (from the phase's start), and the backend's calls under
         # way then: (name, start from the phase's start, duration).
         out[f"lag_{phase}_window"] = [round(lo - start, 4), round(hi - start, 4)]
-        out[f"lag_{phase}_calls"] = [
-            [name, round(a - start, 4), round(b - a, 4)]
-            for name, a, b in run.calls
-            if a <= hi and b >= lo
-        ]
-        # The capturing thread's steps then: (name, start from the phase's start, duration).
-        out[f"lag_{phase}_capture"] = [
-            [name, round(a - start, 4), round(b - a, 4)]
-            for name, a, b in CAPTURE_SPANS
-            if a <= hi and b >= lo
-        ]
-        # Garbage collections then: (generation, start from the phase's start, duration).
-        out[f"lag_{phase}_gc"] = [
-            [gen, round(a - start, 4), round(b - a, 4)]
-            for gen, a, b in GC_SPANS
-            if a <= hi and b >= lo
-        ]
+        out[f"lag_{phase}_calls"] = _during(run.calls, lo, hi, start)
+        # The capturing thread's steps then, and the garbage collections (by generation).
+        out[f"lag_{phase}_capture"] = _during(CAPTURE_SPANS, lo, hi, start)
+        out[f"lag_{phase}_gc"] = _during(GC_SPANS, lo, hi, start)
         if steps is not None and phase in ("opening", "pinning", "closing"):
             out[f"stretch_{phase}"] = steps.longest(start, end) / step_alone
             out[f"steps_{phase}"] = [
@@ -644,16 +641,8 @@ def phases(
                 a0, b0 = longest
                 out[f"longest_step_{phase}"] = {
                     "at": [round(a0 - start, 4), round(b0 - a0, 4)],
-                    "capture": [
-                        [name, round(a - start, 4), round(b - a, 4)]
-                        for name, a, b in CAPTURE_SPANS
-                        if a <= b0 and b >= a0
-                    ],
-                    "calls": [
-                        [name, round(a - start, 4), round(b - a, 4)]
-                        for name, a, b in run.calls
-                        if a <= b0 and b >= a0
-                    ][:20],
+                    "capture": _during(CAPTURE_SPANS, a0, b0, start),
+                    "calls": _during(run.calls, a0, b0, start)[:20],
                 }
     return out
 
