@@ -4,6 +4,7 @@ engine with the router in front of it."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -61,14 +62,18 @@ class Opened:
         """Map the region and make the pipeline; for KV, the engine and its router, and
         prepare the engine in a worker thread, unless it prepares in the background
         (``prepare_in_background``: the CUDA engine, whose kernel load and device
-        buffers take up to a second in a fresh process). Nothing is started (``start()``)."""
-        region = _map_region(config, backend, log)
-        if config.attach and config.chunk_default:
-            # The region's size is known only now.
-            cap = backend.max_pin_bytes // _sys.PAGE_SIZE * _sys.PAGE_SIZE
-            chunk_bytes = min(default_chunk_bytes(region.nbytes), cap)
+        buffers take up to a second in a fresh process). Nothing is started (``start()``).
+
+        The region is mapped, after the pre-flight, in a worker thread (``_map_off_loop``):
+        with 64-100 GiB and other threads busy in CUDA, the reads of /proc and the cgroup,
+        the mmap and the madvise held the event loop 10-13 ms."""
+        region = await _map_off_loop(config, backend, log)
         opened: Opened | None = None
         try:
+            if config.attach and config.chunk_default:
+                # The region's size is known only now.
+                cap = backend.max_pin_bytes // _sys.PAGE_SIZE * _sys.PAGE_SIZE
+                chunk_bytes = min(default_chunk_bytes(region.nbytes), cap)
             layout = config.kv_layout
             if layout is not None:
                 needed = config.num_host_blocks * config.host_block_stride
@@ -331,6 +336,59 @@ def no_stats_fields() -> dict[str, Any]:
         "slowest_pin_seconds": 0.0,
         "unpin_seconds": None,
     }
+
+
+async def _map_off_loop(config: ManagerConfig, backend: PinBackend, log: Any) -> HostRegion:
+    """``_map_region`` in a worker thread of its own (the application's default pool may
+    be full). An anyio cancellation waits for the thread, and the caller releases the
+    region it returns; a native asyncio cancel (``Task.cancel()``) stops the wait at once,
+    and then the thread releases whatever it maps: no region outlives an entry that
+    failed."""
+    handoff = _Handoff()
+    try:
+        await anyio.to_thread.run_sync(
+            handoff.run,
+            partial(_map_region, config, backend, log),
+            limiter=anyio.CapacityLimiter(1),
+        )
+    except BaseException:
+        left = handoff.abandon()
+        if left is not None:
+            left.release()
+        raise
+    return handoff.take()
+
+
+class _Handoff:
+    """A region made in a worker thread, passed to the task waiting for it, or released
+    by the thread if that task stopped waiting first."""
+
+    __slots__ = ("_abandoned", "_lock", "_region")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._region: HostRegion | None = None
+        self._abandoned = False
+
+    def run(self, make: Callable[[], HostRegion]) -> None:
+        region = make()
+        with self._lock:
+            if not self._abandoned:
+                self._region = region
+                return
+        region.release()
+
+    def take(self) -> HostRegion:
+        region = self._region
+        assert region is not None
+        return region
+
+    def abandon(self) -> HostRegion | None:
+        """Stop waiting: the region if it was made, else None (the thread releases it)."""
+        with self._lock:
+            self._abandoned = True
+            region, self._region = self._region, None
+        return region
 
 
 def _map_region(config: ManagerConfig, backend: PinBackend, log: Any) -> HostRegion:

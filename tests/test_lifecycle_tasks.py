@@ -26,6 +26,7 @@ import json
 import os
 import threading
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -47,6 +48,7 @@ from asyncpin._config import MAX_THREADS
 from asyncpin._tasks import OwnedTasks
 from asyncpin.engines.host import HostTransferEngine
 from asyncpin.errors import ConfigError, ForkedManagerError, LifecycleError
+from asyncpin.region import HostRegion
 from asyncpin.shm import SHM_DIR
 from asyncpin.testing import FakeBackend, is_mapped
 from asyncpin.transfers import TransferJob
@@ -613,6 +615,132 @@ def held_prepare(
     monkeypatch.setattr(HostTransferEngine, "prepare", prepare)
     yield entered, go_on
     go_on.set()
+
+
+class HeldPreflight(FakeBackend):
+    """A FakeBackend whose pre-flight (the first step of mapping the region) records the
+    thread it runs in and is held until ``go_on`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reached, self.go_on = threading.Event(), threading.Event()
+        self.thread: int | None = None
+
+    def preflight(self, nbytes: int) -> None:
+        self.thread = threading.get_ident()
+        self.reached.set()
+        assert self.go_on.wait(TIMEOUT_S), "the pre-flight was never let go on"
+
+
+@dataclass
+class MadeRegions:
+    made: list[HostRegion]
+    spans: list[tuple[int, int]]  # each one's (address, nbytes)
+    released: threading.Event  # set after any region's release() returns
+
+
+@pytest.fixture
+def regions(monkeypatch: pytest.MonkeyPatch) -> MadeRegions:
+    """Every region created from now on, and an event set by each release."""
+    seen = MadeRegions([], [], threading.Event())
+    create, release = HostRegion.create.__func__, HostRegion.release  # type: ignore[attr-defined]
+
+    def recording_create(cls: type[HostRegion], *args: Any, **kwargs: Any) -> HostRegion:
+        region: HostRegion = create(cls, *args, **kwargs)
+        seen.made.append(region)
+        seen.spans.append((region.address, region.nbytes))
+        return region
+
+    def signalling_release(self: HostRegion, keep: Any = None) -> bool:
+        try:
+            return release(self, keep)
+        finally:
+            seen.released.set()
+
+    monkeypatch.setattr(HostRegion, "create", classmethod(recording_create))
+    monkeypatch.setattr(HostRegion, "release", signalling_release)
+    return seen
+
+
+def assert_unmapped(regions: MadeRegions) -> None:
+    [region] = regions.made
+    [(address, nbytes)] = regions.spans
+    assert region.closed and not is_mapped(address, nbytes)
+
+
+class TestEntryOffTheLoop:
+    """The region is mapped (pre-flight, mmap, madvise) in a worker thread: with many GiB
+    and busy CUDA threads that held the loop 10-13 ms (issue 17). A cancelled entry
+    leaves nothing mapped, however it is cancelled."""
+
+    async def test_the_loop_runs_while_the_region_is_mapped(self, regions: MadeRegions) -> None:
+        backend = HeldPreflight()
+        mgr = make(backend)
+        with anyio.fail_after(TIMEOUT_S):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(mgr.__aenter__)
+                try:
+                    # The loop serves this task while the entry's pre-flight is held.
+                    await wait_thread_event(backend.reached)
+                    assert mgr.state is ManagerState.NEW and regions.made == []
+                finally:
+                    backend.go_on.set()
+            assert backend.thread not in (None, threading.get_ident())
+            await mgr.pinned
+            await mgr.aclose()
+        assert_unmapped(regions)
+
+    async def test_a_cancelled_entry_waits_for_the_mapping_then_releases_it(
+        self, regions: MadeRegions
+    ) -> None:
+        backend = HeldPreflight()
+        mgr = make(backend)
+        entered: list[bool] = []
+        scope = anyio.CancelScope()
+
+        async def enter() -> None:
+            with scope:
+                await mgr.__aenter__()
+                entered.append(True)
+
+        with anyio.fail_after(TIMEOUT_S):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(enter)
+                try:
+                    await wait_thread_event(backend.reached)
+                    scope.cancel()
+                finally:
+                    backend.go_on.set()
+        assert entered == [] and scope.cancelled_caught
+        assert mgr.state is ManagerState.CLOSED
+        assert backend.calls == []  # nothing pinned
+        assert_unmapped(regions)
+        with pytest.raises(anyio.ClosedResourceError):
+            await mgr.pinned
+
+    def test_a_natively_cancelled_entry_leaves_the_thread_to_release_the_region(
+        self, regions: MadeRegions
+    ) -> None:
+        """asyncio only: ``Task.cancel()`` stops the wait for the thread at once; the
+        thread then releases the region it maps, which nobody else holds."""
+
+        async def run() -> None:
+            backend = HeldPreflight()
+            mgr = make(backend)
+            entry = asyncio.create_task(mgr.__aenter__())
+            try:
+                await wait_thread_event(backend.reached)
+                entry.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await entry
+                assert mgr.state is ManagerState.CLOSED and regions.made == []
+            finally:
+                backend.go_on.set()
+            await wait_thread_event(regions.released)
+            assert_unmapped(regions)
+            assert backend.calls == []
+
+        asyncio.run(run())
 
 
 class TestCloseRacesEntryAndCancellation:

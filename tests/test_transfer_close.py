@@ -197,13 +197,16 @@ class TestCancelledManager:
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         # Entering a KV manager prepares the engine in a worker thread, a point where a
-        # cancellation is delivered: the region must still be released.
+        # cancellation is delivered: the region, mapped just before (in a worker thread
+        # too, whose end this cancellation waits for), must still be released.
         created: list[tuple[int, int]] = []
         create = HostRegion.create
+        scope = anyio.CancelScope()
 
         def record(*args: Any, **kwargs: Any) -> HostRegion:
             region = create(*args, **kwargs)
             created.append((region.address, region.nbytes))
+            anyio.from_thread.run_sync(scope.cancel)  # delivered at the next checkpoint
             return region
 
         monkeypatch.setattr(HostRegion, "create", record)
@@ -211,10 +214,33 @@ class TestCancelledManager:
         layout = KVLayout.from_tensors([torch.randint(1, 255, (8, 4096), dtype=torch.uint8)])
         mgr = OffloadManager.for_kv(layout, 8, backend=fake, chunk_bytes=4096)
         with anyio.fail_after(TIMEOUT_S):
-            with anyio.CancelScope() as scope:
-                scope.cancel()
+            with scope:
                 async with mgr:
                     raise AssertionError("entered a cancelled scope")
         assert scope.cancelled_caught and len(created) == 1
         assert not is_mapped(*created[0])
+        assert mgr.state is ManagerState.CLOSED
         assert fake.pinned_spans() == []
+
+    async def test_cancelled_before_entry_maps_nothing(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        created: list[HostRegion] = []
+        create = HostRegion.create
+
+        def record(*args: Any, **kwargs: Any) -> HostRegion:
+            created.append(create(*args, **kwargs))
+            return created[-1]
+
+        monkeypatch.setattr(HostRegion, "create", record)
+        fake = FakeBackend()
+        mgr = OffloadManager(1 << 20, backend=fake, chunk_bytes=4096)
+        with anyio.fail_after(TIMEOUT_S):
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                async with mgr:
+                    raise AssertionError("entered a cancelled scope")
+        assert scope.cancelled_caught and created == []
+        assert mgr.state is ManagerState.CLOSED and fake.calls == []
+        with pytest.raises(anyio.ClosedResourceError):
+            await mgr.pinned
