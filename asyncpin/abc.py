@@ -37,9 +37,10 @@ class PinBackend(Protocol):
       with the same arguments, while the span is still mapped, and after every transfer
       that touches it has finished. If it raises, the span stays mapped for the rest of
       the process (it is never freed under the device).
-    - ``preflight(nbytes)`` is called on the event loop before anything is mapped; it
-      must be quick and raise :class:`~asyncpin.errors.PreflightError` if pinning
-      ``nbytes`` more cannot succeed.
+    - ``preflight(nbytes)`` is called before anything is mapped, in the worker thread
+      that then maps the region (off the event loop); it must be quick and raise
+      :class:`~asyncpin.errors.PreflightError` if pinning ``nbytes`` more cannot
+      succeed.
     - Optional: a class attribute ``registers_with_cuda = True`` says that what ``pin``
       pinned is registered with CUDA (``cuMemHostRegister``), so that device code may
       read and write it (:class:`~asyncpin.cuda.CudaBackend` sets it). Without it, the
