@@ -55,7 +55,13 @@ class Lifecycle:
         return self._state is ManagerState.NEW
 
     def entering(self) -> None:
-        """An entry begins: a close from NEW now waits for :meth:`entered`."""
+        """An entry begins, on the calling loop (the manager's tasks and a close run
+        there from now on: the entry awaits before it opens, and a close from another
+        task of this loop may come meanwhile); a close from NEW now waits for
+        :meth:`entered`. RuntimeError if an entry has begun before."""
+        if self._state is not ManagerState.NEW or self._entry is not None:
+            raise RuntimeError("an OffloadManager can be entered only once")
+        self._tasks.bind()
         self._entry = anyio.Event()
 
     def entered(self) -> None:

@@ -4,6 +4,7 @@ engine with the router in front of it."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -97,7 +98,6 @@ class Opened:
                 chunk_bytes=chunk_bytes,
             )
             opened = cls(region, scheduler, pinned)
-            tasks.bind()
             if layout is not None:
                 engine = opened._open_engine(config, layout, chunk_bytes, tasks, observers, log)
                 if opened.background:
@@ -341,9 +341,11 @@ def no_stats_fields() -> dict[str, Any]:
 async def _map_off_loop(config: ManagerConfig, backend: PinBackend, log: Any) -> HostRegion:
     """``_map_region`` in a worker thread of its own (the application's default pool may
     be full). An anyio cancellation waits for the thread, and the caller releases the
-    region it returns; a native asyncio cancel (``Task.cancel()``) stops the wait at once,
-    and then the thread releases whatever it maps: no region outlives an entry that
-    failed."""
+    region it returns. A native asyncio cancel (``Task.cancel()``, which anyio does not
+    hold back) ends the wait at once: then the region is released here if the thread
+    has made it, else by the thread, and this still returns only once the thread is
+    over (through further native cancels too), so that no region, nor its shared name,
+    outlives an entry that failed."""
     handoff = _Handoff()
     try:
         await anyio.to_thread.run_sync(
@@ -352,43 +354,63 @@ async def _map_off_loop(config: ManagerConfig, backend: PinBackend, log: Any) ->
             limiter=anyio.CapacityLimiter(1),
         )
     except BaseException:
-        left = handoff.abandon()
+        left, running = handoff.abandon()
         if left is not None:
             left.release()
+        if running:
+            await _outwait(handoff.over)
         raise
     return handoff.take()
+
+
+async def _outwait(event: threading.Event) -> None:
+    """Wait until a worker thread sets ``event``, whatever cancellations come (anyio's
+    held back by the shield, native ones absorbed)."""
+    while not event.is_set():
+        with contextlib.suppress(anyio.get_cancelled_exc_class()):
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(event.wait, limiter=anyio.CapacityLimiter(1))
 
 
 class _Handoff:
     """A region made in a worker thread, passed to the task waiting for it, or released
     by the thread if that task stopped waiting first."""
 
-    __slots__ = ("_abandoned", "_lock", "_region")
+    __slots__ = ("_abandoned", "_lock", "_region", "_started", "over")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._region: HostRegion | None = None
-        self._abandoned = False
+        self._abandoned = self._started = False
+        self.over = threading.Event()  # set once a started run() has returned
 
     def run(self, make: Callable[[], HostRegion]) -> None:
-        region = make()
         with self._lock:
-            if not self._abandoned:
-                self._region = region
-                return
-        region.release()
+            if self._abandoned:
+                return  # nobody waits: make nothing
+            self._started = True
+        try:
+            region = make()
+            with self._lock:
+                if not self._abandoned:
+                    self._region = region
+                    return
+            region.release()
+        finally:
+            self.over.set()
 
     def take(self) -> HostRegion:
         region = self._region
         assert region is not None
         return region
 
-    def abandon(self) -> HostRegion | None:
-        """Stop waiting: the region if it was made, else None (the thread releases it)."""
+    def abandon(self) -> tuple[HostRegion | None, bool]:
+        """Stop waiting: the region if it was made (else None), and whether the thread
+        is still making it (it then releases what it makes, and sets ``over``)."""
         with self._lock:
             self._abandoned = True
             region, self._region = self._region, None
-        return region
+            return region, self._started and not self.over.is_set()
 
 
 def _map_region(config: ManagerConfig, backend: PinBackend, log: Any) -> HostRegion:

@@ -168,10 +168,8 @@ class OffloadManager:
     # -- lifecycle --------------------------------------------------------------------
 
     async def __aenter__(self) -> OffloadManager:
-        if not self._life.is_new:
-            raise RuntimeError("an OffloadManager can be entered only once")
-        t0 = time.perf_counter()
         self._life.entering()
+        t0 = time.perf_counter()
         try:
             opened = await Opened.open(
                 self._config,

@@ -718,11 +718,14 @@ class TestEntryOffTheLoop:
         with pytest.raises(anyio.ClosedResourceError):
             await mgr.pinned
 
-    def test_a_natively_cancelled_entry_leaves_the_thread_to_release_the_region(
-        self, regions: MadeRegions
+    @pytest.mark.parametrize("cancels", [1, 2])
+    def test_a_natively_cancelled_entry_returns_with_the_region_released(
+        self, regions: MadeRegions, cancels: int
     ) -> None:
-        """asyncio only: ``Task.cancel()`` stops the wait for the thread at once; the
-        thread then releases the region it maps, which nobody else holds."""
+        """asyncio only: ``Task.cancel()`` ends the wait for the mapping thread; the
+        entry still raises only once that thread is over and its region released (so
+        that a restart can take the same shared name at once), through a second cancel
+        too."""
 
         async def run() -> None:
             backend = HeldPreflight()
@@ -730,17 +733,98 @@ class TestEntryOffTheLoop:
             entry = asyncio.create_task(mgr.__aenter__())
             try:
                 await wait_thread_event(backend.reached)
-                entry.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await entry
-                assert mgr.state is ManagerState.CLOSED and regions.made == []
+                for _ in range(cancels):
+                    entry.cancel()
+                    for _ in range(3):  # let the entry take it (either order is checked)
+                        await asyncio.sleep(0)
+                assert not entry.done()  # it waits for the thread
             finally:
                 backend.go_on.set()
-            await wait_thread_event(regions.released)
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(entry, TIMEOUT_S)
+            assert mgr.state is ManagerState.CLOSED
             assert_unmapped(regions)
             assert backend.calls == []
 
         asyncio.run(run())
+
+    def test_a_native_cancel_as_the_mapping_ends_releases_the_region(
+        self, regions: MadeRegions, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """asyncio only: the cancel is queued on the loop from the mapping thread as it
+        returns the region, ahead of the thread's result (the region is then released by
+        the entry, or by the thread if it had not handed it over yet)."""
+
+        async def run() -> None:
+            loop = asyncio.get_running_loop()
+            mgr = make(FakeBackend())
+            entry: asyncio.Task[OffloadManager] | None = None
+            create = HostRegion.create
+
+            def create_then_cancel(*args: Any, **kwargs: Any) -> HostRegion:
+                region = create(*args, **kwargs)
+                assert entry is not None
+                loop.call_soon_threadsafe(entry.cancel)
+                return region
+
+            monkeypatch.setattr(HostRegion, "create", create_then_cancel)
+            entry = asyncio.create_task(mgr.__aenter__())
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(entry, TIMEOUT_S)
+            assert mgr.state is ManagerState.CLOSED
+            assert_unmapped(regions)
+
+        asyncio.run(run())
+
+    async def test_a_close_during_the_mapping_ends_the_entry(self, regions: MadeRegions) -> None:
+        """A close from another task of the loop while the region is mapped (a review:
+        it was refused as from another event loop, and the entry then opened)."""
+        backend = HeldPreflight()
+        mgr = make(backend)
+        failure: list[BaseException] = []
+        closed = anyio.Event()
+
+        async def enter() -> None:
+            try:
+                await mgr.__aenter__()
+            except anyio.ClosedResourceError as exc:
+                failure.append(exc)
+
+        async def close() -> None:
+            await mgr.aclose()
+            closed.set()
+
+        with anyio.fail_after(TIMEOUT_S):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(enter)
+                try:
+                    await wait_thread_event(backend.reached)
+                    tg.start_soon(close)
+                    await anyio.wait_all_tasks_blocked()
+                    assert not closed.is_set()  # it waits for the entry to let go
+                finally:
+                    backend.go_on.set()
+        assert closed.is_set() and len(failure) == 1
+        assert "closed while it was entered" in str(failure[0])
+        assert mgr.state is ManagerState.CLOSED and backend.calls == []
+        assert_unmapped(regions)
+
+    async def test_a_second_entry_during_the_mapping_is_refused(self, regions: MadeRegions) -> None:
+        """(A review: it mapped a second region, then failed as closed.)"""
+        backend = HeldPreflight()
+        mgr = make(backend)
+        with anyio.fail_after(TIMEOUT_S):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(mgr.__aenter__)
+                try:
+                    await wait_thread_event(backend.reached)
+                    with pytest.raises(RuntimeError, match="entered only once"):
+                        await mgr.__aenter__()
+                finally:
+                    backend.go_on.set()
+            assert mgr.state is ManagerState.OPEN
+            await mgr.aclose()
+        assert_unmapped(regions)  # the one region made
 
 
 class TestCloseRacesEntryAndCancellation:
