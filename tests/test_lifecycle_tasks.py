@@ -20,16 +20,18 @@ Every scenario runs on asyncio and on trio (the ``anyio_backend`` fixture in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import gc
 import json
 import os
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.abc
 import anyio.to_thread
 import pytest
 import torch
@@ -668,6 +670,21 @@ def assert_unmapped(regions: MadeRegions) -> None:
     assert region.closed and not is_mapped(address, nbytes)
 
 
+@contextlib.asynccontextmanager
+async def held_in_preflight(
+    backend: HeldPreflight, enter: Callable[[], Coroutine[Any, Any, Any]]
+) -> AsyncIterator[anyio.abc.TaskGroup]:
+    """``enter()`` started in a task group and held in its pre-flight while the block
+    runs (given the group); let go on however the block ends."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(enter)
+        try:
+            await wait_thread_event(backend.reached)
+            yield tg
+        finally:
+            backend.go_on.set()
+
+
 class TestEntryOffTheLoop:
     """The region is mapped (pre-flight, mmap, madvise) in a worker thread: with many GiB
     and busy CUDA threads that held the loop 10-13 ms (issue 17). A cancelled entry
@@ -677,14 +694,9 @@ class TestEntryOffTheLoop:
         backend = HeldPreflight()
         mgr = make(backend)
         with anyio.fail_after(TIMEOUT_S):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(mgr.__aenter__)
-                try:
-                    # The loop serves this task while the entry's pre-flight is held.
-                    await wait_thread_event(backend.reached)
-                    assert mgr.state is ManagerState.NEW and regions.made == []
-                finally:
-                    backend.go_on.set()
+            async with held_in_preflight(backend, mgr.__aenter__):
+                # The loop serves this task while the entry's pre-flight is held.
+                assert mgr.state is ManagerState.NEW and regions.made == []
             assert backend.thread not in (None, threading.get_ident())
             await mgr.pinned
             await mgr.aclose()
@@ -704,13 +716,8 @@ class TestEntryOffTheLoop:
                 entered.append(True)
 
         with anyio.fail_after(TIMEOUT_S):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(enter)
-                try:
-                    await wait_thread_event(backend.reached)
-                    scope.cancel()
-                finally:
-                    backend.go_on.set()
+            async with held_in_preflight(backend, enter):
+                scope.cancel()
         assert entered == [] and scope.cancelled_caught
         assert mgr.state is ManagerState.CLOSED
         assert backend.calls == []  # nothing pinned
@@ -795,15 +802,10 @@ class TestEntryOffTheLoop:
             closed.set()
 
         with anyio.fail_after(TIMEOUT_S):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(enter)
-                try:
-                    await wait_thread_event(backend.reached)
-                    tg.start_soon(close)
-                    await anyio.wait_all_tasks_blocked()
-                    assert not closed.is_set()  # it waits for the entry to let go
-                finally:
-                    backend.go_on.set()
+            async with held_in_preflight(backend, enter) as tg:
+                tg.start_soon(close)
+                await anyio.wait_all_tasks_blocked()
+                assert not closed.is_set()  # it waits for the entry to let go
         assert closed.is_set() and len(failure) == 1
         assert "closed while it was entered" in str(failure[0])
         assert mgr.state is ManagerState.CLOSED and backend.calls == []
@@ -814,14 +816,9 @@ class TestEntryOffTheLoop:
         backend = HeldPreflight()
         mgr = make(backend)
         with anyio.fail_after(TIMEOUT_S):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(mgr.__aenter__)
-                try:
-                    await wait_thread_event(backend.reached)
-                    with pytest.raises(RuntimeError, match="entered only once"):
-                        await mgr.__aenter__()
-                finally:
-                    backend.go_on.set()
+            async with held_in_preflight(backend, mgr.__aenter__):
+                with pytest.raises(RuntimeError, match="entered only once"):
+                    await mgr.__aenter__()
             assert mgr.state is ManagerState.OPEN
             await mgr.aclose()
         assert_unmapped(regions)  # the one region made
