@@ -39,7 +39,7 @@ import torch
 from asyncpin._config import default_prefault_threads
 from asyncpin._cudactx import PinContext, _load_driver
 from asyncpin.region import HostRegion
-from bench.startup import CAPTURE_SPANS, Capturer, Clock, StepLog
+from bench.startup import CAPTURE_SPANS, Capturer, Clock, StepLog, _register, _unregister
 
 PIECE = 64 << 20  # what each prefault thread takes at a time (a chunk)
 
@@ -91,6 +91,16 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json-out", default=None)
     p.add_argument(
+        "--after-register",
+        type=int,
+        default=0,
+        help="GiB that torch.zeros then cudaHostRegister/Unregister in torch's context "
+        "before the first context (the vLLM recipe's open and close)",
+    )
+    p.add_argument(
+        "--mapped", type=int, default=0, help="GiB of region mapped (not faulted) meanwhile"
+    )
+    p.add_argument(
         "--first-under-load",
         action="store_true",
         help="make the process's first context with the step and the captures running",
@@ -104,6 +114,14 @@ def main() -> int:
     alone = steps.alone_s()
     capturer: Capturer | None = None
     doc: dict[str, Any] = {"step_alone_s": alone, "prefault_threads": threads, "phases": {}}
+    if args.after_register:
+        buf = torch.zeros(args.after_register << 30, dtype=torch.uint8)
+        t = time.perf_counter()
+        _register(buf.data_ptr(), buf.numel())
+        _unregister(buf.data_ptr(), buf.numel())
+        doc["register_unregister_s"] = time.perf_counter() - t
+        del buf
+    mapped = HostRegion.create(args.mapped << 30) if args.mapped else None
     if args.first_under_load:
         steps.start()
         capturer = Capturer("vllm")
@@ -119,6 +137,9 @@ def main() -> int:
         capturer.stop()
         capturer = None
         steps.stop()
+    if mapped is not None:
+        mapped.release()
+    doc["after_register_gib"], doc["mapped_gib"] = args.after_register, args.mapped
     running = False
     for phase in ("idle", "step", "step-captures", "prefault", "all"):
         if (phase in ("step", "step-captures", "all")) != running:
@@ -159,7 +180,10 @@ def main() -> int:
         Path(args.json_out).write_text(json.dumps(doc, indent=1))
     print(f"step alone {alone * 1e3:.1f} ms, {threads} prefault threads, {args.gib} GiB")
     first = "under load" if args.first_under_load else "idle"
-    print(f"the process's first context ({first}): {doc['first_made_s']:.3f} s")
+    print(
+        f"the process's first context ({first}; after registering {args.after_register} "
+        f"GiB, {args.mapped} GiB mapped): {doc['first_made_s']:.3f} s"
+    )
     print("| phase | context made (s) | longest step / alone | capture enter max (s) |")
     print("| --- | --- | --- | --- |")
     for phase, rows in doc["phases"].items():
