@@ -187,12 +187,12 @@ def main() -> int:
     print("| phase | context made (s) | longest step / alone | capture enter max (s) |")
     print("| --- | --- | --- | --- |")
     for phase, rows in doc["phases"].items():
-        made = ", ".join(f"{r['made_s']:.3f}" for r in rows)
+        times = ", ".join(f"{r['made_s']:.3f}" for r in rows)
         stretch = ", ".join(f"{r['step_stretch']:.2f}" if r["step_stretch"] else "-" for r in rows)
         enter = ", ".join(
             f"{r['capture_enter_max_s']:.3f}" if r["capture_enter_max_s"] else "-" for r in rows
         )
-        print(f"| {phase} | {made} | {stretch} | {enter} |")
+        print(f"| {phase} | {times} | {stretch} | {enter} |")
     return 0
 
 
