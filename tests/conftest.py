@@ -19,12 +19,15 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from asyncpin import _sys
+from asyncpin.region import HostRegion
 from tests import redis_servers
+from tests.helpers import MadeRegions
 from tests.kit import CopyGate
 
 SHM = Path("/dev/shm")
@@ -191,3 +194,19 @@ def redis_keyspace(
     prefix = f"asyncpin-test:{os.getpid()}:{name}:"
     yield prefix
     redis_servers_started.clean_keyspace(prefix)
+
+
+@pytest.fixture
+def made_regions(monkeypatch: pytest.MonkeyPatch) -> MadeRegions:
+    """Every region created from now on, and its span (to check it unmapped after)."""
+    seen = MadeRegions()
+    create = HostRegion.create.__func__  # type: ignore[attr-defined]
+
+    def recording_create(cls: type[HostRegion], *args: Any, **kwargs: Any) -> HostRegion:
+        region: HostRegion = create(cls, *args, **kwargs)
+        seen.made.append(region)
+        seen.spans.append((region.address, region.nbytes))
+        return region
+
+    monkeypatch.setattr(HostRegion, "create", classmethod(recording_create))
+    return seen

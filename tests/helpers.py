@@ -10,7 +10,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 from unittest import mock
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from asyncpin import AsyncpinError, OffloadManager, _sys
+from asyncpin.region import HostRegion
 
 # The bound on every wait in the tests: a broken check fails instead of hanging the run.
 TIMEOUT_S = 30.0
@@ -77,6 +78,14 @@ class Footprint:
 
     files: tuple[str, ...]  # file-backed mappings, sorted (a shared region's file)
     fds: frozenset[str]
+
+
+@dataclass
+class MadeRegions:
+    """The regions created while the ``made_regions`` fixture watches (``conftest.py``)."""
+
+    made: list[HostRegion] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # each one's (address, nbytes)
 
 
 def footprint() -> Footprint:

@@ -27,7 +27,6 @@ import json
 import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -54,7 +53,7 @@ from asyncpin.region import HostRegion
 from asyncpin.shm import SHM_DIR
 from asyncpin.testing import FakeBackend, is_mapped
 from asyncpin.transfers import TransferJob
-from tests.helpers import TIMEOUT_S, releasing, wait_child, wait_thread_event
+from tests.helpers import TIMEOUT_S, MadeRegions, releasing, wait_child, wait_thread_event
 
 pytestmark = pytest.mark.anyio
 
@@ -634,39 +633,9 @@ class HeldPreflight(FakeBackend):
         assert self.go_on.wait(TIMEOUT_S), "the pre-flight was never let go on"
 
 
-@dataclass
-class MadeRegions:
-    made: list[HostRegion]
-    spans: list[tuple[int, int]]  # each one's (address, nbytes)
-    released: threading.Event  # set after any region's release() returns
-
-
-@pytest.fixture
-def regions(monkeypatch: pytest.MonkeyPatch) -> MadeRegions:
-    """Every region created from now on, and an event set by each release."""
-    seen = MadeRegions([], [], threading.Event())
-    create, release = HostRegion.create.__func__, HostRegion.release  # type: ignore[attr-defined]
-
-    def recording_create(cls: type[HostRegion], *args: Any, **kwargs: Any) -> HostRegion:
-        region: HostRegion = create(cls, *args, **kwargs)
-        seen.made.append(region)
-        seen.spans.append((region.address, region.nbytes))
-        return region
-
-    def signalling_release(self: HostRegion, keep: Any = None) -> bool:
-        try:
-            return release(self, keep)
-        finally:
-            seen.released.set()
-
-    monkeypatch.setattr(HostRegion, "create", classmethod(recording_create))
-    monkeypatch.setattr(HostRegion, "release", signalling_release)
-    return seen
-
-
-def assert_unmapped(regions: MadeRegions) -> None:
-    [region] = regions.made
-    [(address, nbytes)] = regions.spans
+def assert_unmapped(made_regions: MadeRegions) -> None:
+    [region] = made_regions.made
+    [(address, nbytes)] = made_regions.spans
     assert region.closed and not is_mapped(address, nbytes)
 
 
@@ -690,20 +659,22 @@ class TestEntryOffTheLoop:
     and busy CUDA threads that held the loop 10-13 ms (issue 17). A cancelled entry
     leaves nothing mapped, however it is cancelled."""
 
-    async def test_the_loop_runs_while_the_region_is_mapped(self, regions: MadeRegions) -> None:
+    async def test_the_loop_runs_while_the_region_is_mapped(
+        self, made_regions: MadeRegions
+    ) -> None:
         backend = HeldPreflight()
         mgr = make(backend)
         with anyio.fail_after(TIMEOUT_S):
             async with held_in_preflight(backend, mgr.__aenter__):
                 # The loop serves this task while the entry's pre-flight is held.
-                assert mgr.state is ManagerState.NEW and regions.made == []
+                assert mgr.state is ManagerState.NEW and made_regions.made == []
             assert backend.thread not in (None, threading.get_ident())
             await mgr.pinned
             await mgr.aclose()
-        assert_unmapped(regions)
+        assert_unmapped(made_regions)
 
     async def test_a_cancelled_entry_waits_for_the_mapping_then_releases_it(
-        self, regions: MadeRegions
+        self, made_regions: MadeRegions
     ) -> None:
         backend = HeldPreflight()
         mgr = make(backend)
@@ -721,13 +692,13 @@ class TestEntryOffTheLoop:
         assert entered == [] and scope.cancelled_caught
         assert mgr.state is ManagerState.CLOSED
         assert backend.calls == []  # nothing pinned
-        assert_unmapped(regions)
+        assert_unmapped(made_regions)
         with pytest.raises(anyio.ClosedResourceError):
             await mgr.pinned
 
     @pytest.mark.parametrize("cancels", [1, 2])
     def test_a_natively_cancelled_entry_returns_with_the_region_released(
-        self, regions: MadeRegions, cancels: int
+        self, made_regions: MadeRegions, cancels: int
     ) -> None:
         """asyncio only: ``Task.cancel()`` ends the wait for the mapping thread; the
         entry still raises only once that thread is over and its region released (so
@@ -750,13 +721,13 @@ class TestEntryOffTheLoop:
             with pytest.raises(asyncio.CancelledError):
                 await asyncio.wait_for(entry, TIMEOUT_S)
             assert mgr.state is ManagerState.CLOSED
-            assert_unmapped(regions)
+            assert_unmapped(made_regions)
             assert backend.calls == []
 
         asyncio.run(run())
 
     def test_a_native_cancel_as_the_mapping_ends_releases_the_region(
-        self, regions: MadeRegions, monkeypatch: pytest.MonkeyPatch
+        self, made_regions: MadeRegions, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """asyncio only: the cancel is queued on the loop from the mapping thread as it
         returns the region, ahead of the thread's result (the region is then released by
@@ -779,11 +750,13 @@ class TestEntryOffTheLoop:
             with pytest.raises(asyncio.CancelledError):
                 await asyncio.wait_for(entry, TIMEOUT_S)
             assert mgr.state is ManagerState.CLOSED
-            assert_unmapped(regions)
+            assert_unmapped(made_regions)
 
         asyncio.run(run())
 
-    async def test_a_close_during_the_mapping_ends_the_entry(self, regions: MadeRegions) -> None:
+    async def test_a_close_during_the_mapping_ends_the_entry(
+        self, made_regions: MadeRegions
+    ) -> None:
         """A close from another task of the loop while the region is mapped (a review:
         it was refused as from another event loop, and the entry then opened)."""
         backend = HeldPreflight()
@@ -809,9 +782,11 @@ class TestEntryOffTheLoop:
         assert closed.is_set() and len(failure) == 1
         assert "closed while it was entered" in str(failure[0])
         assert mgr.state is ManagerState.CLOSED and backend.calls == []
-        assert_unmapped(regions)
+        assert_unmapped(made_regions)
 
-    async def test_a_second_entry_during_the_mapping_is_refused(self, regions: MadeRegions) -> None:
+    async def test_a_second_entry_during_the_mapping_is_refused(
+        self, made_regions: MadeRegions
+    ) -> None:
         """(A review: it mapped a second region, then failed as closed.)"""
         backend = HeldPreflight()
         mgr = make(backend)
@@ -821,7 +796,7 @@ class TestEntryOffTheLoop:
                     await mgr.__aenter__()
             assert mgr.state is ManagerState.OPEN
             await mgr.aclose()
-        assert_unmapped(regions)  # the one region made
+        assert_unmapped(made_regions)  # the one region made
 
 
 class TestCloseRacesEntryAndCancellation:

@@ -29,7 +29,7 @@ from asyncpin import (
 from asyncpin.region import HostRegion
 from asyncpin.testing import FakeBackend, is_mapped
 from asyncpin.transfers import TransferJob
-from tests.helpers import TIMEOUT_S, releasing, wait_thread_event
+from tests.helpers import TIMEOUT_S, MadeRegions, releasing, wait_thread_event
 from tests.kit import (
     SMALL_CHUNKS,
     STALL_AT,
@@ -222,17 +222,7 @@ class TestCancelledManager:
         assert mgr.state is ManagerState.CLOSED
         assert fake.pinned_spans() == []
 
-    async def test_cancelled_before_entry_maps_nothing(
-        self, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        created: list[HostRegion] = []
-        create = HostRegion.create
-
-        def record(*args: Any, **kwargs: Any) -> HostRegion:
-            created.append(create(*args, **kwargs))
-            return created[-1]
-
-        monkeypatch.setattr(HostRegion, "create", record)
+    async def test_cancelled_before_entry_maps_nothing(self, made_regions: MadeRegions) -> None:
         fake = FakeBackend()
         mgr = OffloadManager(1 << 20, backend=fake, chunk_bytes=4096)
         with anyio.fail_after(TIMEOUT_S):
@@ -240,7 +230,7 @@ class TestCancelledManager:
                 scope.cancel()
                 async with mgr:
                     raise AssertionError("entered a cancelled scope")
-        assert scope.cancelled_caught and created == []
+        assert scope.cancelled_caught and made_regions.made == []
         assert mgr.state is ManagerState.CLOSED and fake.calls == []
         with pytest.raises(anyio.ClosedResourceError):
             await mgr.pinned
