@@ -251,9 +251,9 @@ class Opened:
     async def abandon(self) -> None:
         """Release what an entry that failed made (no transfer ever ran, nothing was
         pinned): the engine, then the mapping, in a worker thread as at close (the engine
-        joins its threads; an munmap of many GiB takes tens of ms), shielded."""
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._abandon, limiter=anyio.CapacityLimiter(1))
+        joins its threads; an munmap of many GiB takes tens of ms), to the end whatever
+        cancellations come (``_to_the_end``)."""
+        await _to_the_end(self._abandon)
 
     def _abandon(self) -> None:
         try:
@@ -358,18 +358,57 @@ async def _map_off_loop(config: ManagerConfig, backend: PinBackend, log: Any) ->
         if left is not None:
             left.release()
         if running:
-            await _outwait(handoff.over)
+            with contextlib.suppress(anyio.get_cancelled_exc_class()):  # raised below
+                await _to_the_end(handoff.over.wait)
         raise
     return handoff.take()
 
 
-async def _outwait(event: threading.Event) -> None:
-    """Wait until a worker thread sets ``event``, whatever cancellations come (anyio's
-    held back by the shield, native ones absorbed)."""
-    while not event.is_set():
-        with contextlib.suppress(anyio.get_cancelled_exc_class()):
+async def _to_the_end(fn: Callable[[], object]) -> None:
+    """``fn()`` in a worker thread of its own, once, and return only when it has: an
+    anyio cancellation is held back by a shield; a native asyncio cancel
+    (``Task.cancel()``), which ends a wait for a worker thread at once and makes anyio
+    skip a job not yet started, is absorbed while the wait goes on, and raised after.
+    What ``fn`` raises is raised."""
+    once = _Once(fn)
+    cancelled: BaseException | None = None
+    while not once.over.is_set():
+        try:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(event.wait, limiter=anyio.CapacityLimiter(1))
+                await anyio.to_thread.run_sync(once, limiter=anyio.CapacityLimiter(1))
+        except anyio.get_cancelled_exc_class() as exc:
+            cancelled = exc
+    if once.error is not None:
+        raise once.error
+    if cancelled is not None:
+        raise cancelled
+
+
+class _Once:
+    """``fn()`` run by the first caller, from whichever thread; later callers wait for
+    it to end."""
+
+    __slots__ = ("_fn", "_lock", "_taken", "error", "over")
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self._fn = fn
+        self._lock = threading.Lock()
+        self._taken = False
+        self.error: BaseException | None = None
+        self.over = threading.Event()
+
+    def __call__(self) -> None:
+        with self._lock:
+            taken, self._taken = self._taken, True
+        if taken:
+            self.over.wait()
+            return
+        try:
+            self._fn()
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.over.set()
 
 
 class _Handoff:

@@ -46,6 +46,7 @@ from asyncpin import (
     capture_gate,
 )
 from asyncpin._config import MAX_THREADS
+from asyncpin._opened import Opened
 from asyncpin._tasks import OwnedTasks
 from asyncpin.engines.host import HostTransferEngine
 from asyncpin.errors import ConfigError, ForkedManagerError, LifecycleError
@@ -783,6 +784,50 @@ class TestEntryOffTheLoop:
         assert "closed while it was entered" in str(failure[0])
         assert mgr.state is ManagerState.CLOSED and backend.calls == []
         assert_unmapped(made_regions)
+
+    def test_a_native_cancel_while_a_closed_entry_lets_go_still_releases(
+        self, made_regions: MadeRegions, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """asyncio only: closed during the mapping, the entry lets go of what it made in
+        a worker thread; a ``Task.cancel()`` meanwhile ended that wait, or skipped the
+        job, and the region stayed mapped for good (a hostile trial)."""
+        reached, go_on = threading.Event(), threading.Event()
+        abandon = Opened._abandon
+
+        def held_abandon(self: Opened) -> None:
+            reached.set()
+            assert go_on.wait(TIMEOUT_S)
+            abandon(self)
+
+        monkeypatch.setattr(Opened, "_abandon", held_abandon)
+
+        async def run() -> None:
+            backend = HeldPreflight()
+            mgr = make(backend)
+            entry = asyncio.create_task(mgr.__aenter__())
+            closer: asyncio.Task[None] | None = None
+            try:
+                await wait_thread_event(backend.reached)
+                closer = asyncio.create_task(mgr.aclose())
+                while mgr.state is not ManagerState.CLOSED:  # noqa: ASYNC110 - a state, no event
+                    await asyncio.sleep(0)
+                backend.go_on.set()
+                await wait_thread_event(reached)
+                entry.cancel()
+                for _ in range(3):  # let the entry take it
+                    await asyncio.sleep(0)
+                assert not entry.done()  # it waits for the release
+            finally:
+                backend.go_on.set()
+                go_on.set()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(entry, TIMEOUT_S)
+            assert_unmapped(made_regions)
+            assert closer is not None
+            await asyncio.wait_for(closer, TIMEOUT_S)
+            assert mgr.state is ManagerState.CLOSED
+
+        asyncio.run(run())
 
     async def test_a_second_entry_during_the_mapping_is_refused(
         self, made_regions: MadeRegions
