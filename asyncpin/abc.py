@@ -45,6 +45,14 @@ class PinBackend(Protocol):
       pinned is registered with CUDA (``cuMemHostRegister``), so that device code may
       read and write it (:class:`~asyncpin.cuda.CudaBackend` sets it). Without it, the
       CUDA engine moves pinned blocks by DMA only.
+    - Optional: a method ``warm_up()``, called once per manager in a pin worker
+      thread, through the pause gate, before the first ``pin`` (prefaulting may run
+      meanwhile) and before a KV engine's background set-up begins: for what the
+      backend makes on first use (the ``cuda`` backend's own context, 0.1-0.4 s), so
+      that it is not made at the same time as the engine's first set-up. It must be a
+      plain method; whatever it raises is logged as ``pin.warm_up_failed`` and pinning
+      goes on (the ``pin`` calls report what still fails). It is not called when the
+      manager closes first.
     - Optional: a method ``before_unpin()``, called once per close in a worker thread,
       through the pause gate, before the first ``unpin`` (when something was pinned):
       for a backend whose unpin does not itself wait for device work that code outside

@@ -97,7 +97,7 @@ def resolve_backend(backend: str | PinBackend, device: int | None = None) -> Pin
     if not isinstance(backend, str):
         if not isinstance(backend, PinBackend):
             raise ConfigError(f"backend {backend!r} does not implement PinBackend")
-        validate_before_unpin(backend)
+        validate_hooks(backend)
         return backend
     if backend == "auto":
         backend = "cuda" if cuda_available() else "host"
@@ -112,32 +112,38 @@ def resolve_backend(backend: str | PinBackend, device: int | None = None) -> Pin
     raise ConfigError(f"unknown backend {backend!r}: use one of {', '.join(BACKEND_NAMES)}")
 
 
-def validate_before_unpin(backend: PinBackend) -> None:
-    """A backend's optional ``before_unpin`` must be a plain method (a close calls it in a
-    worker thread): anything else is refused now, not skipped at close."""
-    try:
-        hook = getattr(backend, "before_unpin", None)
-    except Exception as exc:
-        raise ConfigError(f"backend {backend!r}: reading before_unpin raised {exc!r}") from exc
-    if hook is None:
-        return
-    if not callable(hook) or inspect.iscoroutinefunction(hook):
-        raise ConfigError(f"backend {backend!r}: before_unpin must be a plain method, not {hook!r}")
+#: A backend's optional hooks: ``warm_up()`` before the first pin, ``before_unpin()``
+#: before a close's first unpin (``abc.PinBackend``).
+HOOKS = ("warm_up", "before_unpin")
 
 
-def call_before_unpin(backend: object) -> BaseException | None:
-    """Call ``backend.before_unpin()`` if it has one (in a worker thread); returns what it
-    raised, or None. It never raises itself: whatever the hook does, the unpins that
-    follow it must run. An awaitable returned is closed and reported as an error."""
+def validate_hooks(backend: PinBackend) -> None:
+    """A backend's optional ``warm_up`` and ``before_unpin`` must be plain methods (they
+    are called in worker threads): anything else is refused now, not skipped later."""
+    for name in HOOKS:
+        try:
+            hook = getattr(backend, name, None)
+        except Exception as exc:
+            raise ConfigError(f"backend {backend!r}: reading {name} raised {exc!r}") from exc
+        if hook is None:
+            continue
+        if not callable(hook) or inspect.iscoroutinefunction(hook):
+            raise ConfigError(f"backend {backend!r}: {name} must be a plain method, not {hook!r}")
+
+
+def call_hook(backend: object, name: str) -> BaseException | None:
+    """Call ``backend.<name>()`` if it has one (in a worker thread); returns what it
+    raised, or None. It never raises itself: whatever the hook does, the pins or unpins
+    that follow it must run. An awaitable returned is closed and reported as an error."""
     try:
-        hook = getattr(backend, "before_unpin", None)
+        hook = getattr(backend, name, None)
         if hook is None:
             return None
         result = hook()
         if inspect.isawaitable(result):
             if inspect.iscoroutine(result):
                 result.close()
-            raise TypeError("before_unpin() returned an awaitable: it must be a plain method")
-    except BaseException as exc:  # a backend's bug must not end a close
+            raise TypeError(f"{name}() returned an awaitable: it must be a plain method")
+    except BaseException as exc:  # a backend's bug must not end a close nor pinning
         return exc
     return None

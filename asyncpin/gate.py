@@ -2,8 +2,9 @@
 
 ``cudaHostRegister`` issued while another thread captures a CUDA graph fails with error
 900 and invalidates the capture (measured in torch's context; from the CUDA backend's own
-context it has not been tried). The gate holds every pin backend call, and the close's
-``before_unpin`` (a device-wide synchronize for the CUDA backend) as well.
+context it has not been tried). The gate holds every pin backend call: ``warm_up``
+(the CUDA backend makes its context there), each pin and unpin, and the close's
+``before_unpin`` (a device-wide synchronize for the CUDA backend).
 
 Each manager has a :class:`PauseGate`; in addition a
 process-wide hold (:func:`capture_gate`) pauses the gates of every manager at once, and

@@ -14,7 +14,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from asyncpin import ConfigError, HostBackend, ManagerState, OffloadManager, _sys
-from asyncpin.backends import call_before_unpin
+from asyncpin.backends import call_hook
 from asyncpin.testing import FakeBackend, check_pin_backend, is_mapped
 from tests.helpers import TIMEOUT_S
 
@@ -167,6 +167,6 @@ def test_call_before_unpin_returns_what_it_raised() -> None:
     class NoHook:
         pass
 
-    assert call_before_unpin(NoHook()) is None
-    error = call_before_unpin(Hooked(_raise(Weird("x"))))
+    assert call_hook(NoHook(), "before_unpin") is None
+    error = call_hook(Hooked(_raise(Weird("x"))), "before_unpin")
     assert isinstance(error, Weird)

@@ -269,7 +269,7 @@ class TestCloseOrder:
                 await mgr.pinned
         assert_closed_cleanly(mgr, fake, address, range(NCHUNKS))
         (failed,) = events(logs, "unpin.wait_failed")
-        assert "injected failure before unpin" in failed["error"]
+        assert "injected failure in before_unpin" in failed["error"]
 
     async def test_aclose_is_idempotent(self) -> None:
         fake = FakeBackend()
@@ -633,14 +633,16 @@ class TestPinningPaused:
                 await wait_thread_event(holder.holding)
                 async with mgr:
                     address = mgr.host_view().data_ptr()
-                    # The pin worker has reached the gate and waits there.
+                    # The pin worker has reached the gate and waits there, with the
+                    # backend's warm-up (which goes through the gate too).
                     await wait_thread_event(probe.waiting["enter_call"])
-                    assert fake.calls == []
+                    assert fake.calls == [] and fake.warm_up_at == []
                     assert mgr.stats().chunks_pinned == 0
                     assert not mgr.is_pinned()
                     await holder.finish()
                     await mgr.pinned
                     assert mgr.stats().pinned_bytes == NBYTES
+                    assert fake.warm_up_at == [0]
         finally:
             holder.let_go()
         assert_closed_cleanly(mgr, fake, address, range(NCHUNKS))

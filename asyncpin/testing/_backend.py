@@ -53,12 +53,14 @@ class FakeBackend:
       :meth:`release` is called.
     - ``fail_unpin_at``: the n-th unpin call raises BackendCallError.
     - ``fail_before_unpin``: :meth:`before_unpin` raises BackendCallError.
+    - ``fail_warm_up``: :meth:`warm_up` raises BackendCallError.
     - ``inner``: a real backend to delegate to (then it records and injects faults around
-      real pins, and :meth:`before_unpin` calls the inner one's, where it has one);
+      real pins, and :meth:`warm_up` and :meth:`before_unpin` call the inner one's,
+      where it has one);
       ``before_pin(n, address, nbytes)`` runs before the n-th pin is made.
 
-    :attr:`before_unpin_at` lists, for each :meth:`before_unpin` call, how many pin and
-    unpin calls were recorded when it came.
+    :attr:`warm_up_at` and :attr:`before_unpin_at` list, for each :meth:`warm_up` and
+    :meth:`before_unpin` call, how many pin and unpin calls were recorded when it came.
     """
 
     name = "fake"
@@ -75,6 +77,7 @@ class FakeBackend:
         inner: PinBackend | None = None,
         before_pin: Callable[[int, int, int], None] | None = None,
         fail_before_unpin: bool = False,
+        fail_warm_up: bool = False,
     ) -> None:
         self.inner = inner
         self.before_pin = before_pin
@@ -82,7 +85,9 @@ class FakeBackend:
         self.stall_pin_at = stall_pin_at
         self.fail_unpin_at = fail_unpin_at
         self.fail_before_unpin = fail_before_unpin
+        self.fail_warm_up = fail_warm_up
         self.before_unpin_at: list[int] = []
+        self.warm_up_at: list[int] = []
         if max_pin_bytes is not None:
             self.max_pin_bytes = max_pin_bytes
         elif inner is not None:
@@ -114,15 +119,22 @@ class FakeBackend:
         n = self._count("unpin")
         self._call("unpin", n, n == self.fail_unpin_at, address, nbytes)
 
+    def warm_up(self) -> None:
+        self._run_hook("warm_up", self.warm_up_at, self.fail_warm_up)
+
     def before_unpin(self) -> None:
+        self._run_hook("before_unpin", self.before_unpin_at, self.fail_before_unpin)
+
+    def _run_hook(self, name: str, at: list[int], fail: bool) -> None:
+        """Record the hook's call, call the inner backend's, then fail if told to."""
         with self._lock:
-            self.before_unpin_at.append(len(self.calls))
-        inner = getattr(self.inner, "before_unpin", None)
+            at.append(len(self.calls))
+        inner = getattr(self.inner, name, None)
         if callable(inner):
             inner()
-        if self.fail_before_unpin:
+        if fail:
             raise BackendCallError(
-                "fake_before_unpin", self.FAKE_CODE, "EFAKE", "injected failure before unpin"
+                f"fake_{name}", self.FAKE_CODE, "EFAKE", f"injected failure in {name}"
             )
 
     def _count(self, op: str) -> int:

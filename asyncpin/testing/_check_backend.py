@@ -11,7 +11,7 @@ import anyio.to_thread
 
 from asyncpin import _sys
 from asyncpin.abc import PinBackend
-from asyncpin.backends import HostBackend, call_before_unpin, validate_before_unpin
+from asyncpin.backends import HostBackend, call_hook, validate_hooks
 from asyncpin.errors import BackendCallError, ConfigError, PreflightError
 from asyncpin.region import Chunk, HostRegion
 
@@ -48,7 +48,8 @@ async def check_pin_backend(
     span is shorter) from worker threads, ``pin_threads`` at a time, checks that they are
     pinned where it can tell, unpins each span once with the same arguments, checks that
     the pins are gone, and releases the region. A backend with the optional
-    ``before_unpin()`` has it called once before the unpins, where it must not raise.
+    ``warm_up()`` has it called once before the pins, and one with ``before_unpin()``
+    once before the unpins; neither may raise there.
 
     - ``locked_bytes``: pins show in the process's locked bytes (``VmLck``), which must
       grow by exactly the bytes pinned and come back after the unpins. None: true for
@@ -86,6 +87,13 @@ async def check_pin_backend(
     leaked: list[Chunk] = []
     limiter = anyio.CapacityLimiter(pin_threads)
     try:
+        try:
+            validate_hooks(backend)
+        except ConfigError as exc:
+            raise AssertionError(f"{name}: {exc}") from exc
+        error = await anyio.to_thread.run_sync(call_hook, backend, "warm_up")
+        if error is not None:
+            raise AssertionError(f"{name}: warm_up() raised {error!r} before any pin")
 
         async def pin(chunk: Chunk) -> None:
             address = region.address + chunk.offset
@@ -121,11 +129,7 @@ async def check_pin_backend(
                 raise
             pinned.remove(chunk)
 
-        try:
-            validate_before_unpin(backend)
-        except ConfigError as exc:
-            raise AssertionError(f"{name}: {exc}") from exc
-        error = await anyio.to_thread.run_sync(call_before_unpin, backend)
+        error = await anyio.to_thread.run_sync(call_hook, backend, "before_unpin")
         if error is not None:
             raise AssertionError(f"{name}: before_unpin() raised {error!r} with spans pinned")
         await _each(name, "unpin of a pinned span", unpin, list(pinned))
@@ -144,7 +148,7 @@ async def check_pin_backend(
     finally:
         with anyio.CancelScope(shield=True):
             if pinned:
-                await anyio.to_thread.run_sync(call_before_unpin, backend)
+                await anyio.to_thread.run_sync(call_hook, backend, "before_unpin")
             for chunk in list(pinned):  # the check failed half way: undo what it can
                 try:
                     await anyio.to_thread.run_sync(

@@ -17,7 +17,7 @@ import anyio.to_thread
 from asyncpin import _sys
 from asyncpin._tasks import OwnedTasks
 from asyncpin.abc import EngineFactory, EngineSetup, PinBackend, TransferEngine
-from asyncpin.backends import call_before_unpin, registers_with_cuda
+from asyncpin.backends import call_hook, registers_with_cuda
 from asyncpin.kv import KVLayout
 from asyncpin.region import Chunk, HostRegion, round_to_pages
 from asyncpin.testing._engine_blocks import Blocks
@@ -160,6 +160,9 @@ class EngineHarness:
         engine (checking ``methods()`` against ``method``) and prepare it."""
         region = self.region = HostRegion.create(self.num_host * self.host_slice[1] * self.hbb)
         if self.backend is not None:
+            # As a manager does: the backend's warm-up first (what it raises, the pins
+            # report as they fail).
+            await anyio.to_thread.run_sync(call_hook, self.backend, "warm_up")
             for chunk in region.chunks(self.chunk_bytes):
                 if chunk.offset + chunk.nbytes <= self.pinned_end:
                     await anyio.to_thread.run_sync(
@@ -353,7 +356,7 @@ class EngineHarness:
         drop the check's view and release the region; whether it was unmapped now."""
         assert self.backend is not None or not self.pinned_chunks
         if self.pinned_chunks:  # as a close does: it unpins whatever this raised
-            await anyio.to_thread.run_sync(call_before_unpin, self.backend)
+            await anyio.to_thread.run_sync(call_hook, self.backend, "before_unpin")
         for chunk in list(self.pinned_chunks):
             self.pinned_chunks.remove(chunk)
             assert self.region is not None and self.backend is not None

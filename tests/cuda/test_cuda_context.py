@@ -157,3 +157,78 @@ class TestOwnContext:
         backend.pin(region.address, region.nbytes)
         backend.unpin(region.address, region.nbytes)
         assert [e["event"] for e in logs].count("pin.own_context_unavailable") == 1
+
+
+class TestWarmUp:
+    def test_warm_up_makes_the_context_before_any_pin(self, region: HostRegion) -> None:
+        backend = CudaBackend()
+        assert "runtime context" in repr(backend)
+        backend.warm_up()
+        assert "own context" in repr(backend) and backend.own_context
+        backend.pin(region.address, region.nbytes)
+        try:
+            done = _queue_long_kernel()
+            backend.unpin(region.address, region.nbytes)
+            assert not done.query(), "registered in torch's context, not the backend's own"
+        finally:
+            assert not _registered(region.address)
+
+    def test_a_refused_context_at_warm_up_falls_back_without_raising(
+        self, region: HostRegion, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        def refuse(device: int) -> None:
+            raise BackendCallError("cuCtxCreate", 2, "cudaErrorMemoryAllocation", "no memory")
+
+        monkeypatch.setattr(asyncpin.cuda, "pin_context", refuse)
+        backend = CudaBackend()
+        with capture_logs() as logs:
+            backend.warm_up()
+        assert not backend.own_context
+        assert [e["event"] for e in logs] == ["pin.own_context_unavailable"]
+        backend.pin(region.address, region.nbytes)
+        assert _registered(region.address)
+        backend.unpin(region.address, region.nbytes)
+
+
+@pytest.mark.anyio
+async def test_a_kv_manager_warms_the_backend_up_before_the_engines_set_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The CUDA engine's set-up runs in the background; the backend's context is made
+    # before it begins, not beside it (beside it, a process's first pin call took
+    # 0.3-1.5 s on the H200: bench/probes/first_pin.py).
+    import anyio
+
+    from asyncpin import KVLayout, OffloadManager
+    from asyncpin.engines.cuda import CudaTransferEngine
+
+    order: list[str] = []
+
+    class Recorded(CudaBackend):
+        __slots__ = ()
+
+        def warm_up(self) -> None:
+            super().warm_up()
+            order.append("warmed up" if self.own_context else "no own context")
+
+        def pin(self, address: int, nbytes: int) -> None:
+            order.append("pin")
+            super().pin(address, nbytes)
+
+    prepare = CudaTransferEngine.prepare
+
+    def recorded_prepare(self: CudaTransferEngine) -> None:
+        order.append("set-up")
+        prepare(self)
+
+    monkeypatch.setattr(CudaTransferEngine, "prepare", recorded_prepare)
+    layout = KVLayout.from_tensors([torch.zeros(16, 4096, dtype=torch.uint8, device="cuda")])
+    with anyio.fail_after(120):
+        async with OffloadManager.for_kv(
+            layout, 64, backend=Recorded(), chunk_bytes=64 << 10
+        ) as mgr:
+            await mgr.pinned
+            assert mgr.stats().chunks_pinned == 4
+    assert order[0] == "warmed up", order
+    assert order.count("warmed up") == 1 and order.count("set-up") == 1
+    assert order.count("pin") == 4

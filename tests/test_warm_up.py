@@ -1,0 +1,261 @@
+"""A pin backend's optional ``warm_up()`` (the CUDA backend makes its own context there):
+called once per manager, in the pin thread, before the first pin and before a KV
+engine's background set-up begins, so that the two are not made at the same time. What
+it raises is logged and pinning goes on; a close that comes first skips it, and one that
+comes during it waits for it. A hook that cannot work is refused when the manager is
+made, and the conformance check names one that raises."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from asyncpin import ConfigError, HostBackend, KVLayout, OffloadManager, _sys
+from asyncpin.abc import EngineSetup
+from asyncpin.region import HostRegion
+from asyncpin.testing import FakeBackend, FakeEngine, check_pin_backend, is_mapped
+from tests.helpers import TIMEOUT_S, MadeRegions, wait_thread_event
+
+pytestmark = pytest.mark.anyio
+
+CHUNK = 64 << 10
+NCHUNKS = 8
+NBYTES = CHUNK * NCHUNKS
+
+
+class HeldWarmUp(FakeBackend):
+    """A FakeBackend whose warm_up() sets :attr:`warming` and waits for :meth:`let_warm`."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.warming = threading.Event()
+        self._go = threading.Event()
+
+    def let_warm(self) -> None:
+        self._go.set()
+
+    def warm_up(self) -> None:
+        self.warming.set()
+        self._go.wait()
+        super().warm_up()
+
+
+def _make(backend: FakeBackend, **kw: Any) -> OffloadManager:
+    kw.setdefault("pin_threads", 1)
+    return OffloadManager(NBYTES, backend=backend, chunk_bytes=CHUNK, **kw)
+
+
+def _events(logs: list[MutableMapping[str, Any]], name: str) -> list[MutableMapping[str, Any]]:
+    return [entry for entry in logs if entry["event"] == name]
+
+
+def _all_released(backend: FakeBackend, made_regions: MadeRegions) -> bool:
+    return sorted(backend.pinned_spans()) == sorted(backend.unpinned_spans()) and not any(
+        is_mapped(*span) for span in made_regions.spans
+    )
+
+
+@pytest.mark.parametrize("pin_threads", [1, 3])
+async def test_it_comes_once_before_the_first_pin(
+    pin_threads: int, made_regions: MadeRegions
+) -> None:
+    backend = FakeBackend()
+    with anyio.fail_after(TIMEOUT_S):
+        async with _make(backend, pin_threads=pin_threads) as mgr:
+            await mgr.pinned
+    assert backend.warm_up_at == [0]  # once, with no pin or unpin call before it
+    assert len(backend.pinned_spans()) == NCHUNKS
+    assert _all_released(backend, made_regions)
+
+
+async def test_one_that_raises_is_logged_and_every_chunk_pins(made_regions: MadeRegions) -> None:
+    backend = FakeBackend(fail_warm_up=True)
+    with anyio.fail_after(TIMEOUT_S), capture_logs() as logs:
+        async with _make(backend) as mgr:
+            await mgr.pinned
+            assert mgr.stats().chunks_pinned == NCHUNKS
+    (failed,) = _events(logs, "pin.warm_up_failed")
+    assert "injected failure in warm_up" in failed["error"]
+    assert failed["log_level"] == "warning"
+    assert _all_released(backend, made_regions)
+
+
+async def test_no_pin_comes_while_it_runs_and_prefaulting_goes_on(
+    made_regions: MadeRegions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    every_chunk_prefaulted = threading.Event()
+    prefaulted: list[int] = []
+    prefault = HostRegion.prefault
+
+    def counted(self: HostRegion, offset: int, nbytes: int, *args: Any) -> bool:
+        done = prefault(self, offset, nbytes, *args)
+        prefaulted.append(offset)
+        if len(prefaulted) == NCHUNKS:
+            every_chunk_prefaulted.set()
+        return done
+
+    monkeypatch.setattr(HostRegion, "prefault", counted)
+    backend = HeldWarmUp()
+    with anyio.fail_after(TIMEOUT_S):
+        async with _make(backend, prefault_threads=1) as mgr:
+            await wait_thread_event(backend.warming)
+            await wait_thread_event(every_chunk_prefaulted)
+            assert backend.calls == [] and backend.warm_up_at == []
+            backend.let_warm()
+            await mgr.pinned
+    assert backend.warm_up_at == [0]
+    assert _all_released(backend, made_regions)
+
+
+async def test_a_close_during_it_waits_for_it_and_pins_nothing(made_regions: MadeRegions) -> None:
+    backend = HeldWarmUp()
+    mgr = _make(backend)
+    with anyio.fail_after(TIMEOUT_S):
+        await mgr.__aenter__()
+        await wait_thread_event(backend.warming)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(mgr.aclose)
+            await anyio.wait_all_tasks_blocked()
+            assert mgr.state.value == "closing"
+            backend.let_warm()
+        assert mgr.state.value == "closed"
+        with pytest.raises(anyio.ClosedResourceError):
+            await mgr.pinned
+    assert backend.warm_up_at == [0] and backend.calls == []
+    assert _all_released(backend, made_regions)
+
+
+async def test_a_close_that_comes_first_skips_it(made_regions: MadeRegions) -> None:
+    # Held at the pause (taken by another task before entry), the warm-up has not begun
+    # when the close comes; the close does not wait for the pause (nothing to unpin).
+    backend = FakeBackend()
+    mgr = _make(backend)
+    held, release = anyio.Event(), anyio.Event()
+
+    async def hold() -> None:
+        async with mgr.pinning_paused():
+            held.set()
+            await release.wait()
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hold)
+            await held.wait()
+            await mgr.__aenter__()
+            await mgr.aclose()
+            assert mgr.state.value == "closed"
+            release.set()
+    assert backend.warm_up_at == [] and backend.calls == []
+    assert _all_released(backend, made_regions)
+
+
+class TestTheEnginesSetUp:
+    """A KV engine prepared in the background (the CUDA engine) begins its set-up only
+    once the backend's warm-up has returned: on the H200, the CUDA engine's first set-up
+    beside the pin context's making held a process's first pin call 0.3-1.5 s."""
+
+    @staticmethod
+    def _factory(made: list[FakeEngine], order: list[str]) -> Callable[[EngineSetup], FakeEngine]:
+        def make(setup: EngineSetup) -> FakeEngine:
+            engine = FakeEngine(setup, auto=True, background=True)
+            prepare = engine.prepare
+
+            def recorded() -> None:
+                order.append("set-up")
+                prepare()
+
+            engine.prepare = recorded  # type: ignore[method-assign]
+            made.append(engine)
+            return engine
+
+        return make
+
+    async def test_it_begins_after_the_warm_up(self, made_regions: MadeRegions) -> None:
+        order: list[str] = []
+        made: list[FakeEngine] = []
+
+        class Recorded(HeldWarmUp):
+            def warm_up(self) -> None:
+                super().warm_up()
+                order.append("warmed up")
+
+        backend = Recorded()
+        layout = KVLayout.from_tensors([torch.zeros(8, 4096, dtype=torch.uint8)])
+        mgr = OffloadManager.for_kv(
+            layout, 8, backend=backend, engine=self._factory(made, order), chunk_bytes=8192
+        )
+        with anyio.fail_after(TIMEOUT_S):
+            async with mgr:
+                await wait_thread_event(backend.warming)
+                # Every task is parked (the set-up's would be in its thread by now).
+                await anyio.wait_all_tasks_blocked()
+                assert order == [] and not made[0].prepared
+                backend.let_warm()
+                await mgr.pinned
+                assert made[0].prepared
+        assert order == ["warmed up", "set-up"]
+        assert _all_released(backend, made_regions)
+
+    async def test_a_warm_up_that_raises_does_not_hold_it_back(
+        self, made_regions: MadeRegions
+    ) -> None:
+        order: list[str] = []
+        made: list[FakeEngine] = []
+        backend = FakeBackend(fail_warm_up=True)
+        layout = KVLayout.from_tensors([torch.zeros(8, 4096, dtype=torch.uint8)])
+        mgr = OffloadManager.for_kv(
+            layout, 8, backend=backend, engine=self._factory(made, order), chunk_bytes=8192
+        )
+        with anyio.fail_after(TIMEOUT_S), capture_logs() as logs:
+            async with mgr:
+                await mgr.pinned
+                assert made[0].prepared
+        assert order == ["set-up"] and backend.warm_up_at == [0]
+        assert len(_events(logs, "pin.warm_up_failed")) == 1
+        assert _all_released(backend, made_regions)
+
+
+async def _coroutine() -> None:
+    return None
+
+
+class _Hooked(HostBackend):
+    __slots__ = ("warm_up",)
+
+    def __init__(self, hook: object) -> None:
+        self.warm_up = hook
+
+
+@pytest.mark.parametrize("hook", [5, _coroutine], ids=["not-callable", "coroutine-function"])
+def test_a_hook_that_cannot_work_is_refused_when_made(hook: object) -> None:
+    with pytest.raises(ConfigError, match="warm_up must be a plain method"):
+        OffloadManager(NBYTES, backend=_Hooked(hook), chunk_bytes=CHUNK)
+
+
+class _RaisesAtWarmUp(HostBackend):
+    __slots__ = ()
+
+    def warm_up(self) -> None:
+        raise RuntimeError("no context")
+
+
+async def test_the_conformance_check_names_a_warm_up_that_raises(
+    balanced_mappings: list[tuple[str, int, int]],
+) -> None:
+    locked = _sys.vm_locked_bytes()
+    with pytest.raises(AssertionError, match=r"warm_up\(\) raised .*no context"):
+        await check_pin_backend(_RaisesAtWarmUp(), locked_bytes=True)
+    assert _sys.vm_locked_bytes() == locked
+    assert balanced_mappings  # the region was mapped; the fixture checks it was unmapped
+
+
+async def test_the_conformance_check_calls_it_before_the_pins() -> None:
+    backend = FakeBackend(inner=HostBackend())
+    await check_pin_backend(backend)
+    assert backend.warm_up_at == [0] and len(backend.pinned_spans()) > 0
