@@ -46,10 +46,10 @@ class PinBackend(Protocol):
       read and write it (:class:`~asyncpin.cuda.CudaBackend` sets it). Without it, the
       CUDA engine moves pinned blocks by DMA only.
     - Optional: a method ``warm_up()``, called once per manager in a pin worker
-      thread, through the pause gate, before the first ``pin`` (prefaulting may run
-      meanwhile) and before a KV engine's background set-up begins: for what the
-      backend makes on first use (the ``cuda`` backend's own context, 0.1-0.4 s), so
-      that it is not made at the same time as the engine's first set-up. It must be a
+      thread, through the pause gate, before anything is prefaulted or pinned and
+      before a KV engine's background set-up begins: for what the backend makes on
+      first use (the ``cuda`` backend's own context: 0.11-0.14 s made alone on the
+      H200, up to 1.5 s beside prefaulting or the engine's first set-up). It must be a
       plain method; whatever it raises is logged as ``pin.warm_up_failed`` and pinning
       goes on (the ``pin`` calls report what still fails). It is not called when the
       manager closes first.

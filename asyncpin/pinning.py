@@ -169,11 +169,13 @@ class PinScheduler:
     async def run(self, beside: Callable[[], object] | None = None) -> None:
         """Run the pipeline. ``beside()``, if given, is called once the pipeline's threads
         (and one more for it) have started and the backend's ``warm_up()`` has returned,
-        before the first pin call (prefaulting has begun), or at once if the pipeline
-        failed before: what it starts in a worker thread finds one waiting, and does not
-        make the backend's first-use resources at the same time as the backend (on the
-        H200, the CUDA engine's first set-up beside the pin context's making held a
-        process's first pin call 0.3-1.5 s, against 7 ms with the context made first)."""
+        before anything is faulted or pinned, or at once if the pipeline failed before:
+        what it starts in a worker thread finds one waiting.
+
+        The warm-up comes first, alone: on the H200 the CUDA backend's context took
+        0.11-0.14 s made so, 0.8-1.35 s with a 16 GiB region prefaulting beside it, and
+        0.3-1.5 s with the CUDA engine's first set-up beside it
+        (``bench/probes/first_pin.py``)."""
         self._log.info("pin.started", chunks=len(self.chunks), chunk_bytes=self._chunk_bytes)
         try:
             send, receive = anyio.create_memory_object_stream[Chunk](math.inf)
@@ -181,15 +183,15 @@ class PinScheduler:
             pin_limiter = anyio.CapacityLimiter(self._pin_threads)
             extra = 0 if beside is None else 1
             await _start_threads(self._prefault_threads + self._pin_threads + extra)
+            try:
+                await anyio.to_thread.run_sync(self._warm_up, limiter=pin_limiter)
+            finally:
+                beside, start_beside = None, beside
+                if start_beside is not None:
+                    start_beside()
             async with anyio.create_task_group() as tg, send, receive:
                 for _ in range(self._prefault_threads):
                     tg.start_soon(self._prefault_worker, send.clone(), prefault_limiter)
-                try:
-                    await anyio.to_thread.run_sync(self._warm_up, limiter=pin_limiter)
-                finally:
-                    beside, start_beside = None, beside
-                    if start_beside is not None:
-                        start_beside()
                 for _ in range(self._pin_threads):
                     tg.start_soon(self._pin_worker, receive.clone(), pin_limiter)
         except Exception as exc:
