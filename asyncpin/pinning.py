@@ -181,14 +181,13 @@ class PinScheduler:
             send, receive = anyio.create_memory_object_stream[Chunk](math.inf)
             prefault_limiter = anyio.CapacityLimiter(self._prefault_threads)
             pin_limiter = anyio.CapacityLimiter(self._pin_threads)
-            extra = 0 if beside is None else 1
-            await _start_threads(self._prefault_threads + self._pin_threads + extra)
             try:
+                extra = 0 if beside is None else 1
+                await _start_threads(self._prefault_threads + self._pin_threads + extra)
                 await anyio.to_thread.run_sync(self._warm_up, limiter=pin_limiter)
             finally:
-                beside, start_beside = None, beside
-                if start_beside is not None:
-                    start_beside()
+                if beside is not None:
+                    beside()
             async with anyio.create_task_group() as tg, send, receive:
                 for _ in range(self._prefault_threads):
                     tg.start_soon(self._prefault_worker, send.clone(), prefault_limiter)
@@ -202,8 +201,6 @@ class PinScheduler:
             self.table.set_error(error)
             self.stop()
         finally:
-            if beside is not None:
-                beside()  # it failed before the warm-up: what beside starts finds it stopped
             self.finished_at = time.perf_counter()
             self.table.stop()
             self.done.set()

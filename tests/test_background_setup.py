@@ -490,3 +490,35 @@ async def test_a_capture_that_begins_during_the_set_up_does_not_deadlock() -> No
             assert captured.is_set()
             await mgr.pinned
             assert inside.is_set()
+
+
+async def test_a_pipeline_that_fails_before_its_warm_up_still_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its threads could not start, and what beside() starts is refused too (the
+    # manager's tasks closed): the pipeline still ends, and says why, so that a close
+    # waiting for it returns.
+    import asyncpin.pinning as pinning
+    from asyncpin.gate import PauseGate
+
+    async def no_threads(count: int) -> None:
+        raise RuntimeError("can't start new thread")
+
+    def refused() -> None:
+        raise RuntimeError("no task may start now")
+
+    monkeypatch.setattr(pinning, "_start_threads", no_threads)
+    region = HostRegion.create(8 << 16)
+    backend = FakeBackend()
+    scheduler = pinning.PinScheduler(
+        region, backend, region.chunks(1 << 16), prefault_threads=1, pin_threads=1,
+        pin_interval_s=0, gate=PauseGate(),
+    )  # fmt: skip
+    try:
+        with anyio.fail_after(TIMEOUT_S):
+            await scheduler.run(refused)
+        assert scheduler.done.is_set() and scheduler.pinned.is_set()
+        assert scheduler.error is not None and "no task may start now" in str(scheduler.error)
+        assert backend.warm_up_at == [] and backend.calls == []
+    finally:
+        region.release()
