@@ -18,6 +18,7 @@ from asyncpin import _sys
 from asyncpin._config import ManagerConfig, default_chunk_bytes
 from asyncpin._router import TransferRouter
 from asyncpin._tasks import OwnedTasks
+from asyncpin._threads import to_the_end
 from asyncpin.abc import EngineSetup, PinBackend, TransferEngine
 from asyncpin.backends import registers_with_cuda
 from asyncpin.engines import make_engine
@@ -252,8 +253,8 @@ class Opened:
         """Release what an entry that failed made (no transfer ever ran, nothing was
         pinned): the engine, then the mapping, in a worker thread as at close (the engine
         joins its threads; an munmap of many GiB takes tens of ms), to the end whatever
-        cancellations come (``_to_the_end``)."""
-        await _to_the_end(self._abandon)
+        cancellations come (``to_the_end``)."""
+        await to_the_end(self._abandon)
 
     def _abandon(self) -> None:
         try:
@@ -359,56 +360,9 @@ async def _map_off_loop(config: ManagerConfig, backend: PinBackend, log: Any) ->
             left.release()
         if running:
             with contextlib.suppress(anyio.get_cancelled_exc_class()):  # raised below
-                await _to_the_end(handoff.over.wait)
+                await to_the_end(handoff.over.wait)
         raise
     return handoff.take()
-
-
-async def _to_the_end(fn: Callable[[], object]) -> None:
-    """``fn()`` in a worker thread of its own, once, and return only when it has: an
-    anyio cancellation is held back by a shield; a native asyncio cancel
-    (``Task.cancel()``), which ends a wait for a worker thread at once and makes anyio
-    skip a job not yet started, is absorbed while the wait goes on, and raised after.
-    What ``fn`` raises is raised."""
-    once = _Once(fn)
-    cancelled: BaseException | None = None
-    while not once.over.is_set():
-        try:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(once, limiter=anyio.CapacityLimiter(1))
-        except anyio.get_cancelled_exc_class() as exc:
-            cancelled = exc
-    if once.error is not None:
-        raise once.error
-    if cancelled is not None:
-        raise cancelled
-
-
-class _Once:
-    """``fn()`` run by the first caller, from whichever thread; later callers wait for
-    it to end."""
-
-    __slots__ = ("_fn", "_lock", "_taken", "error", "over")
-
-    def __init__(self, fn: Callable[[], object]) -> None:
-        self._fn = fn
-        self._lock = threading.Lock()
-        self._taken = False
-        self.error: BaseException | None = None
-        self.over = threading.Event()
-
-    def __call__(self) -> None:
-        with self._lock:
-            taken, self._taken = self._taken, True
-        if taken:
-            self.over.wait()
-            return
-        try:
-            self._fn()
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self.over.set()
 
 
 class _Handoff:

@@ -129,6 +129,12 @@ def validate_hooks(backend: PinBackend) -> None:
             continue
         if not callable(hook) or inspect.iscoroutinefunction(hook):
             raise ConfigError(f"backend {backend!r}: {name} must be a plain method, not {hook!r}")
+        try:
+            inspect.signature(hook).bind()
+        except TypeError as exc:
+            raise ConfigError(f"backend {backend!r}: {name} must take no argument ({exc})") from exc
+        except ValueError:  # no signature to read (a builtin): it is called as it is
+            pass
 
 
 def call_hook(backend: object, name: str) -> BaseException | None:

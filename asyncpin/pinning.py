@@ -25,6 +25,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from asyncpin._log import ShieldedLog
 from asyncpin._outcome import Outcome
+from asyncpin._threads import to_the_end
 from asyncpin.backends import call_hook
 from asyncpin.chunks import ChunkState, ChunkTable
 from asyncpin.errors import BackendCallError, PinError, describe_error
@@ -184,7 +185,12 @@ class PinScheduler:
             try:
                 extra = 0 if beside is None else 1
                 await _start_threads(self._prefault_threads + self._pin_threads + extra)
-                await anyio.to_thread.run_sync(self._warm_up, limiter=pin_limiter)
+                # Waited for to its end: what beside() starts must not overlap it, even
+                # when a native Task.cancel() ends the wait.
+                await to_the_end(self._warm_up)
+            except BaseException:
+                self.stop()  # what beside() starts then gives up at once
+                raise
             finally:
                 if beside is not None:
                     beside()

@@ -235,6 +235,21 @@ def test_a_hook_that_cannot_work_is_refused_when_made(hook: object) -> None:
         OffloadManager(NBYTES, backend=_Hooked(hook), chunk_bytes=CHUNK)
 
 
+def _takes_an_argument(device: int) -> None:
+    return None
+
+
+def _takes_defaults(device: int = 0, *args: int, **kwargs: int) -> None:
+    return None
+
+
+def test_a_hook_that_needs_an_argument_is_refused_when_made() -> None:
+    with pytest.raises(ConfigError, match="warm_up must take no argument"):
+        OffloadManager(NBYTES, backend=_Hooked(_takes_an_argument), chunk_bytes=CHUNK)
+    # One that can be called with none is taken.
+    OffloadManager(NBYTES, backend=_Hooked(_takes_defaults), chunk_bytes=CHUNK)
+
+
 class _RaisesAtWarmUp(HostBackend):
     __slots__ = ()
 
@@ -256,3 +271,42 @@ async def test_the_conformance_check_calls_it_before_the_pins() -> None:
     backend = FakeBackend(inner=HostBackend())
     await check_pin_backend(backend)
     assert backend.warm_up_at == [0] and len(backend.pinned_spans()) > 0
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_native_cancel_during_it_waits_for_it_before_the_set_up_may_start(
+    anyio_backend: str,
+) -> None:
+    # A Task.cancel() ends a plain wait for a worker thread at once: the pipeline still
+    # waits for the warm-up to return, and what beside() starts then finds it stopped.
+    import asyncio
+
+    from asyncpin.gate import PauseGate
+    from asyncpin.pinning import PinScheduler
+
+    backend = HeldWarmUp()
+    region = HostRegion.create(NBYTES)
+    scheduler = PinScheduler(
+        region, backend, region.chunks(CHUNK), prefault_threads=1, pin_threads=1,
+        pin_interval_s=0, gate=PauseGate(),
+    )  # fmt: skip
+    seen: list[tuple[bool, list[int]]] = []  # at beside(): stopping, warm-up calls over
+
+    def beside() -> None:
+        seen.append((scheduler.stopping, list(backend.warm_up_at)))
+
+    try:
+        with anyio.fail_after(TIMEOUT_S):
+            task = asyncio.ensure_future(scheduler.run(beside))
+            await wait_thread_event(backend.warming)
+            task.cancel()
+            await anyio.wait_all_tasks_blocked()
+            assert seen == [] and not task.done()
+            backend.let_warm()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert seen == [(True, [0])]
+        assert scheduler.done.is_set() and backend.calls == []
+    finally:
+        backend.let_warm()
+        region.release()

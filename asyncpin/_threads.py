@@ -1,0 +1,58 @@
+"""A call in a worker thread that is waited for to its end, whatever cancellations come."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import anyio
+import anyio.to_thread
+
+__all__ = ["Once", "to_the_end"]
+
+
+async def to_the_end(fn: Callable[[], object]) -> None:
+    """``fn()`` in a worker thread of its own, once, and return only when it has: an
+    anyio cancellation is held back by a shield; a native asyncio cancel
+    (``Task.cancel()``), which ends a wait for a worker thread at once and makes anyio
+    skip a job not yet started, is absorbed while the wait goes on, and raised after.
+    What ``fn`` raises is raised."""
+    once = Once(fn)
+    cancelled: BaseException | None = None
+    while not once.over.is_set():
+        try:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(once, limiter=anyio.CapacityLimiter(1))
+        except anyio.get_cancelled_exc_class() as exc:
+            cancelled = exc
+    if once.error is not None:
+        raise once.error
+    if cancelled is not None:
+        raise cancelled
+
+
+class Once:
+    """``fn()`` run by the first caller, from whichever thread; later callers wait for
+    it to end."""
+
+    __slots__ = ("_fn", "_lock", "_taken", "error", "over")
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self._fn = fn
+        self._lock = threading.Lock()
+        self._taken = False
+        self.error: BaseException | None = None
+        self.over = threading.Event()
+
+    def __call__(self) -> None:
+        with self._lock:
+            taken, self._taken = self._taken, True
+        if taken:
+            self.over.wait()
+            return
+        try:
+            self._fn()
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.over.set()
