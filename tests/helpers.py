@@ -8,8 +8,8 @@ import os
 import select
 import signal
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -145,3 +145,23 @@ async def open_manager(nbytes: Any, **kwargs: Any) -> None:
     async with OffloadManager(nbytes, **kwargs):
         pass
     pytest.fail(f"OffloadManager({nbytes!r}, **{kwargs!r}) opened")
+
+
+@asynccontextmanager
+async def pause_held_elsewhere(mgr: OffloadManager) -> AsyncIterator[None]:
+    """``mgr.pinning_paused()``, taken by another task before the block begins and held
+    until it ends (a close in the block must then not need the pause)."""
+    held, release = anyio.Event(), anyio.Event()
+
+    async def hold() -> None:
+        async with mgr.pinning_paused():
+            held.set()
+            await release.wait()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(hold)
+        await held.wait()
+        try:
+            yield
+        finally:
+            release.set()

@@ -31,7 +31,7 @@ from asyncpin import InvalidTransferError, KVLayout, OffloadManager, TransferErr
 from asyncpin.abc import EngineSetup
 from asyncpin.region import HostRegion
 from asyncpin.testing import FakeBackend, FakeEngine, is_mapped
-from tests.helpers import TIMEOUT_S, wait_thread_event
+from tests.helpers import TIMEOUT_S, pause_held_elsewhere, wait_thread_event
 
 pytestmark = pytest.mark.anyio
 NEGATIVE_S = 0.2  # how long a thing that must not happen is given to happen
@@ -411,24 +411,15 @@ async def test_a_close_aborts_a_set_up_held_by_a_pause(
     # once instead of waiting for the pause to end (its unpins do wait for it).
     made, backend = Made(), FakeBackend()
     mgr = _manager(made, backend)
-    held, release = anyio.Event(), anyio.Event()
-
-    async def hold() -> None:
-        async with mgr.pinning_paused():
-            held.set()
-            await release.wait()
-
     with anyio.fail_after(TIMEOUT_S):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(hold)
-            await held.wait()  # before entry: the set-up cannot have begun
+        # Taken before entry: the set-up cannot have begun.
+        async with pause_held_elsewhere(mgr), anyio.create_task_group() as tg:
             await mgr.__aenter__()
             made.engine.let_prepare()
             tg.start_soon(mgr.aclose)
             with pytest.raises(anyio.ClosedResourceError):
                 await mgr.pinned  # the set-up gave up: the pause is still held
             assert not made.engine.prepared
-            release.set()
     assert mgr.state.value == "closed" and made.engine.closed
     assert not is_mapped(*regions[0]) and backend.pinned_spans() == backend.unpinned_spans()
 

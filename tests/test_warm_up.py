@@ -20,7 +20,7 @@ from asyncpin import ConfigError, HostBackend, KVLayout, OffloadManager, _sys
 from asyncpin.abc import EngineSetup
 from asyncpin.region import HostRegion
 from asyncpin.testing import FakeBackend, FakeEngine, check_pin_backend, is_mapped
-from tests.helpers import TIMEOUT_S, MadeRegions, wait_thread_event
+from tests.helpers import TIMEOUT_S, MadeRegions, pause_held_elsewhere, wait_thread_event
 
 pytestmark = pytest.mark.anyio
 
@@ -133,21 +133,11 @@ async def test_a_close_that_comes_first_skips_it(made_regions: MadeRegions) -> N
     # when the close comes; the close does not wait for the pause (nothing to unpin).
     backend = FakeBackend()
     mgr = _make(backend)
-    held, release = anyio.Event(), anyio.Event()
-
-    async def hold() -> None:
-        async with mgr.pinning_paused():
-            held.set()
-            await release.wait()
-
     with anyio.fail_after(TIMEOUT_S):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(hold)
-            await held.wait()
+        async with pause_held_elsewhere(mgr):
             await mgr.__aenter__()
             await mgr.aclose()
             assert mgr.state.value == "closed"
-            release.set()
     assert backend.warm_up_at == [] and backend.calls == []
     assert _all_released(backend, made_regions)
 

@@ -55,6 +55,15 @@ def _registered(address: int) -> bool:
     return int(code) == 0
 
 
+def _refuse_the_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver refuses asyncpin's own context from now on."""
+
+    def refuse(device: int) -> None:
+        raise BackendCallError("cuCtxCreate", 2, "cudaErrorMemoryAllocation", "no memory")
+
+    monkeypatch.setattr(asyncpin.cuda, "pin_context", refuse)
+
+
 def _current_context() -> int:
     lib = ctypes.CDLL("libcuda.so.1")
     handle = ctypes.c_void_p()
@@ -140,10 +149,7 @@ class TestOwnContext:
     def test_a_refused_context_falls_back_to_the_runtime(
         self, region: HostRegion, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        def refuse(device: int) -> None:
-            raise BackendCallError("cuCtxCreate", 2, "cudaErrorMemoryAllocation", "no memory")
-
-        monkeypatch.setattr(asyncpin.cuda, "pin_context", refuse)
+        _refuse_the_context(monkeypatch)
         backend = CudaBackend()
         with capture_logs() as logs:
             backend.pin(region.address, region.nbytes)
@@ -176,10 +182,7 @@ class TestWarmUp:
     def test_a_refused_context_at_warm_up_falls_back_without_raising(
         self, region: HostRegion, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        def refuse(device: int) -> None:
-            raise BackendCallError("cuCtxCreate", 2, "cudaErrorMemoryAllocation", "no memory")
-
-        monkeypatch.setattr(asyncpin.cuda, "pin_context", refuse)
+        _refuse_the_context(monkeypatch)
         backend = CudaBackend()
         with capture_logs() as logs:
             backend.warm_up()
