@@ -52,7 +52,9 @@ class PinBackend(Protocol):
       H200, up to 1.5 s beside prefaulting or the engine's first set-up). It must be a
       plain method; whatever it raises is logged as ``pin.warm_up_failed`` and pinning
       goes on (the ``pin`` calls report what still fails). It is not called when the
-      manager closes (its pipeline stops) first.
+      manager closes (its pipeline stops) first. Like ``pin`` and ``unpin``, it must not
+      take ``pinning_paused()`` or ``capture_gate()`` (refused: LifecycleError) nor
+      close its manager.
     - Optional: a method ``before_unpin()``, called once per close in a worker thread,
       through the pause gate, before the first ``unpin`` (when something was pinned):
       for a backend whose unpin does not itself wait for device work that code outside

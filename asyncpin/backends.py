@@ -127,7 +127,12 @@ def validate_hooks(backend: PinBackend) -> None:
             raise ConfigError(f"backend {backend!r}: reading {name} raised {exc!r}") from exc
         if hook is None:
             continue
-        if not callable(hook) or inspect.iscoroutinefunction(hook):
+        if (
+            not callable(hook)
+            or inspect.iscoroutinefunction(hook)
+            or inspect.isasyncgenfunction(hook)
+            or inspect.isgeneratorfunction(hook)
+        ):
             raise ConfigError(f"backend {backend!r}: {name} must be a plain method, not {hook!r}")
         try:
             inspect.signature(hook).bind()
@@ -146,10 +151,12 @@ def call_hook(backend: object, name: str) -> BaseException | None:
         if hook is None:
             return None
         result = hook()
-        if inspect.isawaitable(result):
-            if inspect.iscoroutine(result):
+        if inspect.isawaitable(result) or inspect.isgenerator(result):
+            if inspect.iscoroutine(result) or inspect.isgenerator(result):
                 result.close()
-            raise TypeError(f"{name}() returned an awaitable: it must be a plain method")
+            raise TypeError(f"{name}() returned {result!r}: it must be a plain method")
+        if inspect.isasyncgen(result):
+            raise TypeError(f"{name}() returned {result!r}: it must be a plain method")
     except BaseException as exc:  # a backend's bug must not end a close nor pinning
         return exc
     return None

@@ -152,9 +152,10 @@ class ForkedManagerError(LifecycleError):
 
 
 def describe_error(exc: BaseException) -> str:
-    """``str(exc)`` for a log line, or the type's name where that raises: describing a
-    backend's error must never be what fails."""
+    """``str(exc)`` for a log line; the type's name where that is empty or raises
+    (whatever it raises): describing a backend's error must never be what fails."""
     try:
-        return str(exc)
-    except Exception:
+        text = str(exc)
+    except BaseException:
         return f"<{type(exc).__name__}; str() raised>"
+    return text or type(exc).__name__

@@ -24,13 +24,31 @@ from contextvars import ContextVar
 from types import TracebackType
 from typing import Any
 
-import anyio.to_thread
+from asyncpin._threads import to_the_end
+from asyncpin.errors import LifecycleError
 
 __all__ = ["PauseGate", "PausedContext", "capture_gate", "install_capture_gate"]
 
 _cond = threading.Condition()
 _global_holders = 0
 _global_in_flight = 0
+# The gated calls the current thread is inside: (gate, counted by the process-wide gate).
+_in_calls = threading.local()
+
+
+def _calls_here() -> list[tuple[PauseGate, bool]]:
+    calls: list[tuple[PauseGate, bool]] | None = getattr(_in_calls, "calls", None)
+    if calls is None:
+        calls = _in_calls.calls = []
+    return calls
+
+
+def _refuse_inside_a_call(what: str) -> None:
+    raise LifecycleError(
+        f"{what} taken inside a call that it holds back (a pin backend's warm_up, pin, "
+        "unpin or before_unpin, or an engine's set-up, in this thread): it would wait for "
+        "itself for ever"
+    )
 
 
 class _Mark:
@@ -74,6 +92,8 @@ class PauseGate:
         self._in_flight = 0
 
     def hold(self) -> None:
+        if any(gate is self for gate, _ in _calls_here()):
+            _refuse_inside_a_call("pinning_paused()")
         with _cond:
             self._holders += 1
             while self._in_flight:
@@ -112,10 +132,14 @@ class PauseGate:
                 return False
             self._in_flight += 1
             _global_in_flight += count_global
-            return True
+        _calls_here().append((self, count_global))
+        return True
 
     def _exit(self, *, count_global: bool) -> None:
         global _global_in_flight
+        calls = _calls_here()
+        if (self, count_global) in calls:
+            calls.remove((self, count_global))
         with _cond:
             self._in_flight -= 1
             _global_in_flight -= count_global
@@ -177,7 +201,21 @@ class PausedContext:
         self._unhold()
 
     async def __aenter__(self) -> None:
-        await anyio.to_thread.run_sync(self._hold)
+        # Taken in a worker thread, which waits for the calls in flight: a cancellation
+        # meanwhile waits for the thread (``to_the_end``), then gives back what it took.
+        taken = False
+
+        def hold() -> None:
+            nonlocal taken
+            self._hold()
+            taken = True
+
+        try:
+            await to_the_end(hold)
+        except BaseException:
+            if taken:
+                self._unhold()
+            raise
         self._mark()
 
     async def __aexit__(
@@ -189,6 +227,8 @@ class PausedContext:
 
 def _hold_all() -> None:
     global _global_holders
+    if any(count_global for _, count_global in _calls_here()):
+        _refuse_inside_a_call("capture_gate()")
     with _cond:
         _global_holders += 1
         while _global_in_flight:

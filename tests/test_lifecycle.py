@@ -678,6 +678,50 @@ class TestPinningPaused:
             holder.let_go()
         assert_closed_cleanly(mgr, fake, address, range(NCHUNKS))
 
+    @pytest.mark.parametrize("how", ["anyio", "native"])
+    async def test_a_pause_cancelled_while_it_waits_is_given_back(
+        self, how: str, anyio_backend: str, probe: ProbeCondition
+    ) -> None:
+        # Cancelled while it waits for the pin call in flight, the pause is taken in the
+        # end (in its thread) and must be given back: else pinning never resumes.
+        if how == "native" and anyio_backend != "asyncio":
+            pytest.skip("Task.cancel() is asyncio's")
+        import asyncio
+
+        fake = FakeBackend(stall_pin_at=1)
+        mgr = make(fake)
+        with anyio.fail_after(TIMEOUT_S):
+            async with mgr:
+                address = mgr.host_view().data_ptr()
+                with releasing(fake):
+                    await wait_thread_event(fake.stalled)
+                    if how == "anyio":
+                        async with anyio.create_task_group() as tg:
+
+                            async def pause() -> None:
+                                async with mgr.pinning_paused():
+                                    await anyio.sleep_forever()  # cancelled here, or before
+
+                            tg.start_soon(pause)
+                            await wait_thread_event(probe.waiting["hold"])
+                            tg.cancel_scope.cancel()
+                            fake.release()
+                    else:
+
+                        async def paused() -> None:
+                            async with mgr.pinning_paused():
+                                raise AssertionError("a native cancel comes in the entry")
+
+                        task = asyncio.ensure_future(paused())
+                        await wait_thread_event(probe.waiting["hold"])
+                        task.cancel()
+                        fake.release()
+                        with pytest.raises(asyncio.CancelledError):
+                            await task
+                await mgr.pinned  # pinning resumed: the pause was given back
+                assert not mgr._gate.is_paused()
+        assert_closed_cleanly(mgr, fake, address, range(NCHUNKS))
+
     async def test_async_pause_waits_for_the_pin_in_flight(self, probe: ProbeCondition) -> None:
         stall_at = 5
         fake = FakeBackend(stall_pin_at=stall_at)

@@ -300,3 +300,61 @@ async def test_a_native_cancel_during_it_waits_for_it_before_the_set_up_may_star
     finally:
         backend.let_warm()
         region.release()
+
+
+class _TakesTheGate(FakeBackend):
+    """A FakeBackend whose warm_up() takes ``hold()`` (a pause or the capture gate)."""
+
+    def __init__(self, hold: Callable[[], Any]) -> None:
+        super().__init__()
+        self._take = hold
+
+    def warm_up(self) -> None:
+        with self._take():
+            pass
+
+
+@pytest.mark.parametrize("gate", ["pinning_paused", "capture_gate"])
+async def test_a_warm_up_that_takes_the_gate_it_is_held_by_is_refused(
+    gate: str, made_regions: MadeRegions
+) -> None:
+    # It would wait for itself for ever: it gets a LifecycleError, logged, and pinning
+    # goes on.
+    from asyncpin import capture_gate
+
+    mgr: OffloadManager | None = None
+    backend = _TakesTheGate(
+        lambda: capture_gate() if gate == "capture_gate" else mgr.pinning_paused()  # type: ignore[union-attr]
+    )
+    mgr = _make(backend)
+    with anyio.fail_after(TIMEOUT_S), capture_logs() as logs:
+        async with mgr:
+            await mgr.pinned
+    (failed,) = _events(logs, "pin.warm_up_failed")
+    assert f"{gate}() taken inside a call that it holds back" in failed["error"]
+    assert len(backend.pinned_spans()) == NCHUNKS
+    assert _all_released(backend, made_regions)
+
+
+def test_generator_hooks_are_refused_when_made() -> None:
+    def generator() -> Any:
+        yield
+
+    async def async_generator() -> Any:
+        yield
+
+    for hook in (generator, async_generator):
+        with pytest.raises(ConfigError, match="warm_up must be a plain method"):
+            OffloadManager(NBYTES, backend=_Hooked(hook), chunk_bytes=CHUNK)
+
+
+async def test_an_error_with_no_message_is_logged_by_its_type() -> None:
+    class Silent(FakeBackend):
+        def warm_up(self) -> None:
+            raise KeyboardInterrupt
+
+    with anyio.fail_after(TIMEOUT_S), capture_logs() as logs:
+        async with _make(Silent()) as mgr:
+            await mgr.pinned
+    (failed,) = _events(logs, "pin.warm_up_failed")
+    assert failed["error"] == "KeyboardInterrupt"
