@@ -300,7 +300,8 @@ def capture_gate() -> PausedContext:
     be queued meanwhile, but none is reported done until the gate is released: do not
     await one inside it, nor close a manager (close waits for its transfers).
 
-    Wrap an engine's whole warm-up / CUDA graph capture in it."""
+    Wrap a serving engine's whole CUDA-graph warm-up and capture in it (never a pin
+    backend's ``warm_up``, which it holds back: refused with LifecycleError)."""
     return PausedContext(_hold_all, _unhold_all, None)
 
 
