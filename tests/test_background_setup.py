@@ -19,7 +19,7 @@ and the pin pipeline's threads, started before it faults anything.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -31,7 +31,7 @@ from asyncpin import InvalidTransferError, KVLayout, OffloadManager, TransferErr
 from asyncpin.abc import EngineSetup
 from asyncpin.region import HostRegion
 from asyncpin.testing import FakeBackend, FakeEngine, is_mapped
-from tests.helpers import TIMEOUT_S, pause_held_elsewhere, wait_thread_event
+from tests.helpers import TIMEOUT_S, MadeRegions, pause_held_elsewhere, wait_thread_event
 
 pytestmark = pytest.mark.anyio
 NEGATIVE_S = 0.2  # how long a thing that must not happen is given to happen
@@ -81,19 +81,10 @@ class Made:
         return self.engines[0]
 
 
-@pytest.fixture
-def regions(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]:
-    """(address, nbytes) of every region created meanwhile; checked unmapped after."""
-    made: list[tuple[int, int]] = []
-    create = HostRegion.create
-
-    def record(*args: Any, **kwargs: Any) -> HostRegion:
-        region = create(*args, **kwargs)
-        made.append((region.address, region.nbytes))
-        return region
-
-    monkeypatch.setattr(HostRegion, "create", record)
-    yield made
+def _released(made_regions: MadeRegions, backend: FakeBackend) -> bool:
+    """The region unmapped, and every pinned chunk unpinned."""
+    unmapped = not is_mapped(*made_regions.spans[0])
+    return unmapped and backend.pinned_spans() == backend.unpinned_spans()
 
 
 def _manager(made: Made, backend: FakeBackend) -> OffloadManager:
@@ -101,7 +92,7 @@ def _manager(made: Made, backend: FakeBackend) -> OffloadManager:
 
 
 async def test_entry_does_not_wait_and_pinned_includes_the_engine(
-    regions: list[tuple[int, int]],
+    made_regions: MadeRegions,
 ) -> None:
     made, backend = Made(), FakeBackend()
     with anyio.fail_after(TIMEOUT_S):
@@ -116,7 +107,7 @@ async def test_entry_does_not_wait_and_pinned_includes_the_engine(
             await mgr.pinned
             assert mgr.is_pinned() and made.engine.prepared
     assert made.engine.closed
-    assert not is_mapped(*regions[0]) and backend.pinned_spans() == backend.unpinned_spans()
+    assert _released(made_regions, backend)
 
 
 async def test_transfers_wait_for_the_engine_in_order() -> None:
@@ -144,7 +135,7 @@ async def test_transfers_wait_for_the_engine_in_order() -> None:
 
 
 async def test_a_failed_preparation_fails_pinned_and_the_transfers(
-    regions: list[tuple[int, int]],
+    made_regions: MadeRegions,
 ) -> None:
     made, backend = Made(fail=RuntimeError("no room for the staging buffers")), FakeBackend()
     with anyio.fail_after(TIMEOUT_S):
@@ -162,11 +153,11 @@ async def test_a_failed_preparation_fails_pinned_and_the_transfers(
             assert made.engine.submitted == []
             assert mgr.stats().transfers_in_flight == 0
     assert made.engine.closed
-    assert not is_mapped(*regions[0]) and backend.pinned_spans() == backend.unpinned_spans()
+    assert _released(made_regions, backend)
 
 
 async def test_a_close_while_the_engine_prepares_waits_for_it(
-    regions: list[tuple[int, int]],
+    made_regions: MadeRegions,
 ) -> None:
     made, backend = Made(), FakeBackend()
     mgr = _manager(made, backend)
@@ -185,7 +176,7 @@ async def test_a_close_while_the_engine_prepares_waits_for_it(
         with pytest.raises(anyio.ClosedResourceError):
             await mgr.pinned
     assert made.engine.closed
-    assert not is_mapped(*regions[0]) and backend.pinned_spans() == backend.unpinned_spans()
+    assert _released(made_regions, backend)
 
 
 def test_the_pipeline_starts_its_threads_before_it_faults(
@@ -281,7 +272,7 @@ async def test_an_engine_prepared_at_entry_is_ready_with_the_chunks() -> None:
 
 
 async def test_a_failed_preparation_is_reported_at_once(
-    regions: list[tuple[int, int]],
+    made_regions: MadeRegions,
 ) -> None:
     # While chunks are still pinning (one stalls), a failed set-up settles `pinned` now
     # and says why in stats() (and so in the metrics' pin_failed and readiness).
@@ -298,7 +289,7 @@ async def test_a_failed_preparation_is_reported_at_once(
             assert error is not None and "no room" in error
             assert mgr.pin_error is None  # not a pinning failure
             backend.release()
-    assert not is_mapped(*regions[0]) and backend.pinned_spans() == backend.unpinned_spans()
+    assert _released(made_regions, backend)
 
 
 async def test_the_set_up_waits_while_pinning_is_paused() -> None:
@@ -323,7 +314,7 @@ async def test_the_set_up_waits_while_pinning_is_paused() -> None:
 
 
 async def test_a_pageable_transfer_does_not_wait_for_a_set_up_held_by_a_pause(
-    regions: list[tuple[int, int]],
+    made_regions: MadeRegions,
 ) -> None:
     # pinning_paused() holds pin and unpin calls only. With the "pageable" policy, a
     # transfer whose chunks are not pinned copies through pageable memory at once, even
@@ -352,7 +343,7 @@ async def test_a_pageable_transfer_does_not_wait_for_a_set_up_held_by_a_pause(
             assert made.engine.prepared
         finally:
             await mgr.aclose()  # after the pause: a close inside it is refused
-    assert not is_mapped(*regions[0]) and backend.pinned_spans() == backend.unpinned_spans()
+    assert _released(made_regions, backend)
 
 
 async def test_an_engine_that_takes_no_early_pageable_job_gets_it_after_its_set_up() -> None:
@@ -405,7 +396,7 @@ async def test_the_engine_knows_whether_cuda_registered_the_host_blocks(
 
 
 async def test_a_close_aborts_a_set_up_held_by_a_pause(
-    regions: list[tuple[int, int]],
+    made_regions: MadeRegions,
 ) -> None:
     # The set-up waits at the pause (held by another task); a close aborts that wait at
     # once instead of waiting for the pause to end (its unpins do wait for it).
@@ -421,7 +412,7 @@ async def test_a_close_aborts_a_set_up_held_by_a_pause(
                 await mgr.pinned  # the set-up gave up: the pause is still held
             assert not made.engine.prepared
     assert mgr.state.value == "closed" and made.engine.closed
-    assert not is_mapped(*regions[0]) and backend.pinned_spans() == backend.unpinned_spans()
+    assert _released(made_regions, backend)
 
 
 async def test_an_attacher_sizes_default_chunks_from_the_region(
