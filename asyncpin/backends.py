@@ -133,7 +133,10 @@ def validate_hooks(backend: PinBackend) -> None:
             or inspect.isasyncgenfunction(hook)
             or inspect.isgeneratorfunction(hook)
         ):
-            raise ConfigError(f"backend {backend!r}: {name} must be a plain method, not {hook!r}")
+            raise ConfigError(
+                f"backend {backend!r}: {name} must be a plain method (a def, not async, not a "
+                f"generator, taking no argument), not {hook!r}"
+            )
         try:
             inspect.signature(hook).bind()
         except TypeError as exc:

@@ -233,7 +233,12 @@ class TestPreflightEdges:
             def preflight(self, nbytes: int) -> None:
                 raise PreflightError("memlock", nbytes, 0, "raise RLIMIT_MEMLOCK")
 
-        async with OffloadManager(MIB, backend=FakeBackend(), backing="shared", name=shm_name):
+        async with OffloadManager(
+            MIB, backend=FakeBackend(), backing="shared", name=shm_name
+        ) as creator:
+            # Pinned first: the fake backend reads /proc/self/maps at each pin call, an
+            # fd open in its thread that the leak check below would count.
+            await creator.pinned
             with refused(PreflightError, "memlock", str(MIB)):
                 async with OffloadManager.attached(shm_name, backend=Refusing()):
                     pass
