@@ -154,11 +154,9 @@ def call_hook(backend: object, name: str) -> BaseException | None:
         if hook is None:
             return None
         result = hook()
-        if inspect.isawaitable(result) or inspect.isgenerator(result):
+        if inspect.isawaitable(result) or inspect.isgenerator(result) or inspect.isasyncgen(result):
             if inspect.iscoroutine(result) or inspect.isgenerator(result):
                 result.close()
-            raise TypeError(f"{name}() returned {result!r}: it must be a plain method")
-        if inspect.isasyncgen(result):
             raise TypeError(f"{name}() returned {result!r}: it must be a plain method")
     except BaseException as exc:  # a backend's bug must not end a close nor pinning
         return exc
