@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import traceback
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import torch
 
@@ -21,7 +23,7 @@ from asyncpin._tasks import OwnedTasks
 from asyncpin._threads import to_the_end
 from asyncpin.abc import EngineSetup, PinBackend, TransferEngine
 from asyncpin.backends import registers_with_cuda
-from asyncpin.engines import make_engine
+from asyncpin.engines import engine_factory, made_off_loop, make_engine
 from asyncpin.errors import ConfigError, PreflightError, describe_error
 from asyncpin.gate import PauseGate
 from asyncpin.kv import KVLayout
@@ -100,7 +102,9 @@ class Opened:
             )
             opened = cls(region, scheduler, pinned)
             if layout is not None:
-                engine = opened._open_engine(config, layout, chunk_bytes, tasks, observers, log)
+                engine = await opened._open_engine(
+                    config, layout, chunk_bytes, tasks, observers, log
+                )
                 if opened.background:
                     # `pinned` waits for the engine too: settled by whichever ends last.
                     scheduler.pinned = _Settles(opened._settle_pinned)
@@ -115,7 +119,7 @@ class Opened:
             raise
         return opened
 
-    def _open_engine(
+    async def _open_engine(
         self,
         config: ManagerConfig,
         layout: KVLayout,
@@ -124,18 +128,42 @@ class Opened:
         observers: list[Callable[[Transfer], None]],
         log: Any,
     ) -> TransferEngine:
-        """The engine and the router in front of it, over the region's host blocks."""
+        """The engine and the router in front of it, over the region's host blocks. An
+        engine made off the loop (``made_off_loop``: the CUDA engine) is made in a worker
+        thread, waited for to its end whatever cancellations come, so that the entry's
+        clean-up closes it (``abandon``)."""
         self.host_blocks = host_bytes_view(
             self.region.view(), layout, config.num_host_blocks, config.host_slice
         )
-        setup = EngineSetup(
-            layout,
-            self.host_blocks,
-            chunk_bytes,
-            tasks.start_soon,
-            host_registered=registers_with_cuda(self.scheduler.backend),
-        )
-        self.engine = make_engine(config.engine, setup)
+        factory = engine_factory(config.engine, layout)
+        host_registered = registers_with_cuda(self.scheduler.backend)
+        loop = anyio.lowlevel.current_token()
+
+        def make() -> None:
+            # The setup is this call's alone: a frame of the entry that held it past a
+            # failure or a cancellation would keep the region mapped (its host view).
+            assert self.host_blocks is not None
+            setup = EngineSetup(
+                layout,
+                self.host_blocks,
+                chunk_bytes,
+                tasks.start_soon,
+                host_registered=host_registered,
+                loop=loop,
+            )
+            try:
+                self.engine = make_engine(factory, setup)
+            except BaseException as exc:
+                del setup
+                # So do the factory's frames, in the traceback of what it raised.
+                traceback.clear_frames(exc.__traceback__)
+                raise
+
+        if made_off_loop(factory):
+            await to_the_end(make)
+        else:
+            make()
+        assert self.engine is not None
         self.router = TransferRouter(
             layout=layout,
             num_host_blocks=config.num_host_blocks,

@@ -105,6 +105,11 @@ class EngineSetup:
     #: (``host``, or one of your own that does not say so): copies of such chunks must
     #: then be DMAs.
     host_registered: bool = False
+    #: The event loop the manager runs on, as ``anyio.lowlevel.current_token()`` gives
+    #: it there: set by the manager, for an engine made off the loop
+    #: (``made_off_loop``), which cannot ask the loop it is not on. None where the
+    #: engine is made on the loop (a setup of your own may leave it so).
+    loop: Any = None
 
 
 @runtime_checkable
@@ -113,7 +118,11 @@ class TransferEngine(Protocol):
 
     Contract:
 
-    - Made on the event loop from an :class:`EngineSetup`; then ``prepare()`` is called
+    - Made on the event loop from an :class:`EngineSetup`, while the manager enters; or,
+      when the ``engine=`` factory sets ``made_off_loop = True`` (a class attribute of an
+      engine class), in a worker thread while the entry waits, so that a construction
+      of some milliseconds does not hold the loop: such an engine must not call the
+      event loop's API then (``setup.loop`` is the loop). Then ``prepare()`` is called
       once, in a worker thread: it allocates device resources and loads kernels, so
       that nothing of it happens mid-serving. No ``submit()`` comes before it has
       returned (but pageable jobs, below); ``methods()`` and ``record_ready()`` may. By

@@ -63,6 +63,7 @@ import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -438,6 +439,7 @@ class TimedBackend:
         self.pins: list[float] = []
         self.unpins: list[float] = []
         self.warm_up_s: float | None = None
+        self.warm_up_at: float | None = None
         self.calls: list[tuple[str, float, float]] = []
 
     def preflight(self, nbytes: int) -> None:
@@ -455,6 +457,7 @@ class TimedBackend:
         hook = getattr(self.inner, "warm_up", None)
         if hook is not None:
             self.warm_up_s = self._timed("warm_up", hook)
+            self.warm_up_at = self.calls[-1][1]
 
     def before_unpin(self) -> None:
         hook = getattr(self.inner, "before_unpin", None)
@@ -466,6 +469,22 @@ class TimedBackend:
 
     def unpin(self, address: int, nbytes: int) -> None:
         self.unpins.append(self._timed("unpin", self.inner.unpin, address, nbytes))
+
+
+def timed_engine(backend: TimedBackend) -> Any:
+    """The CUDA engine, its making (``engine_made``, in a worker thread while the
+    manager enters) and its set-up (``set_up``, in the background) kept among the
+    backend's calls, so that a step or a lag beside them names them."""
+    from asyncpin.engines.cuda import CudaTransferEngine
+
+    class TimedEngine(CudaTransferEngine):
+        def __init__(self, setup: Any) -> None:
+            backend._timed("engine_made", partial(CudaTransferEngine.__init__, self, setup))
+
+        def prepare(self) -> None:
+            backend._timed("set_up", partial(CudaTransferEngine.prepare, self))
+
+    return TimedEngine
 
 
 def _register(address: int, nbytes: int) -> None:
@@ -556,6 +575,8 @@ async def asyncpin_run(
     backend = TimedBackend(resolve_backend("auto", None))
     num_host_blocks = run.nbytes // HOST_BLOCK
     kwargs: dict[str, Any] = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+    if layout.device.type == "cuda":
+        kwargs["engine"] = timed_engine(backend)
     if PIN_THREADS:
         kwargs["pin_threads"] = PIN_THREADS
     run.mark("start")
@@ -579,6 +600,12 @@ async def asyncpin_run(
     run.mark("closed")
     run.calls = backend.calls
     run.extra["warm_up_s"] = backend.warm_up_s
+    if backend.warm_up_at is not None:
+        run.extra["warm_up_at_s"] = backend.warm_up_at - run.marks["start"]
+    for name in ("engine_made", "set_up"):  # the CUDA engine's (timed_engine)
+        spans = [(a - run.marks["start"], b - a) for what, a, b in backend.calls if what == name]
+        if spans:
+            run.extra[f"{name}_at_s"], run.extra[f"{name}_s"] = spans[0]
     for name, calls in (("pin", backend.pins), ("unpin", backend.unpins)):
         if calls:
             ordered = sorted(calls)
@@ -694,6 +721,11 @@ async def one(
             f"x{result['stretch_closing']:.2f} close"
             if stretch is not None
             else ""
+        )
+        + "".join(
+            f", {name} {result[f'{name}_s'] * 1e3:.1f} ms at {result[f'{name}_at_s']:.3f} s"
+            for name in ("warm_up", "engine_made", "set_up")
+            if result.get(f"{name}_at_s") is not None
         ),
         file=sys.stderr,
         flush=True,

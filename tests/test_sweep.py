@@ -313,7 +313,7 @@ async def _trio_completion() -> AsyncIterator[Completion]:
 async def _task_group(completion: Completion) -> AsyncIterator[anyio.abc.TaskGroup]:
     """A task group standing in for the manager's, where the sweep task starts."""
     async with anyio.create_task_group() as tg:
-        completion.hooks = TrioHooks(tg.start_soon)
+        completion.hooks = TrioHooks(tg.start_soon, anyio.lowlevel.current_token())
         yield tg
 
 
@@ -422,7 +422,7 @@ def test_a_job_watched_when_no_task_can_start_leaves_the_sweep_unscheduled() -> 
 
     async def main() -> None:
         async with _trio_completion() as completion:
-            completion.hooks = TrioHooks(closed)
+            completion.hooks = TrioHooks(closed, anyio.lowlevel.current_token())
             with pytest.raises(RuntimeError, match="not active"):
                 completion.watch(_job())
             assert not completion.sweeping

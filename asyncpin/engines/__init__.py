@@ -15,8 +15,15 @@ from __future__ import annotations
 from asyncpin._text import shown
 from asyncpin.abc import EngineFactory, EngineSetup, TransferEngine
 from asyncpin.errors import ConfigError
+from asyncpin.kv import KVLayout
 
-__all__ = ["ENGINE_NAMES", "check_engine_choice", "make_engine"]
+__all__ = [
+    "ENGINE_NAMES",
+    "check_engine_choice",
+    "engine_factory",
+    "made_off_loop",
+    "make_engine",
+]
 
 ENGINE_NAMES = ("auto", "host", "cuda")
 
@@ -35,28 +42,39 @@ def check_engine_choice(engine: str | EngineFactory) -> str | EngineFactory:
     return engine
 
 
-def make_engine(engine: str | EngineFactory, setup: EngineSetup) -> TransferEngine:
-    """The engine for ``setup``: by name (``auto``: by the KV arrays' device) or made by
-    the given factory. Raises ConfigError when it cannot serve these arrays."""
-    device = setup.layout.device.type
+def engine_factory(engine: str | EngineFactory, layout: KVLayout) -> EngineFactory:
+    """What makes the engine for ``layout``: the class a name stands for (``auto``: by
+    the KV arrays' device; imported here) or the given factory. Raises ConfigError when
+    a named engine cannot serve these arrays."""
+    device = layout.device.type
     if engine == "auto":
         engine = {"cuda": "cuda", "cpu": "host"}.get(device, "")
         if not engine:
-            raise ConfigError(f"KV arrays on {setup.layout.device} are not supported")
+            raise ConfigError(f"KV arrays on {layout.device} are not supported")
     if engine == "host":
         from asyncpin.engines.host import HostTransferEngine
 
-        return HostTransferEngine(setup)
+        return HostTransferEngine
     if engine == "cuda":
         if device != "cuda":
             raise ConfigError(
-                f"the cuda engine needs KV arrays on a GPU; these are on {setup.layout.device}"
+                f"the cuda engine needs KV arrays on a GPU; these are on {layout.device}"
             )
         from asyncpin.engines.cuda import CudaTransferEngine
 
-        return CudaTransferEngine(setup)
+        return CudaTransferEngine
     assert not isinstance(engine, str)
-    made = engine(setup)
+    return engine
+
+
+def made_off_loop(factory: EngineFactory) -> bool:
+    """Whether ``factory`` makes its engine in a worker thread (``made_off_loop``)."""
+    return getattr(factory, "made_off_loop", False) is True
+
+
+def make_engine(factory: EngineFactory, setup: EngineSetup) -> TransferEngine:
+    """The engine ``factory`` makes from ``setup``; ConfigError if it is not one."""
+    made = factory(setup)
     if not isinstance(made, TransferEngine):
-        raise ConfigError(f"engine factory {engine!r} returned {made!r}, not a TransferEngine")
+        raise ConfigError(f"engine factory {factory!r} returned {made!r}, not a TransferEngine")
     return made

@@ -44,7 +44,8 @@ async def check_transfer_engine(
     ``num_host_blocks - pageable_blocks`` blocks with ``backend`` (None: pins nothing; a
     copy engine that reads host memory from the device needs it, e.g.
     :class:`~asyncpin.cuda.CudaBackend` for the cuda engine), makes the engine on the
-    running loop from an :class:`~asyncpin.abc.EngineSetup` whose ``start_soon`` runs
+    running loop (in a worker thread if ``factory`` sets ``made_off_loop``, as a manager
+    does) from an :class:`~asyncpin.abc.EngineSetup` whose ``start_soon`` runs
     tasks owned by the check, calls ``prepare()`` in a worker thread (an engine that sets
     ``pageable_before_prepare`` first copies a pageable store before it), then checks:
 

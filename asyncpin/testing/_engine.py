@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import anyio
+import anyio.from_thread
 import anyio.lowlevel
 
 from asyncpin.abc import EngineSetup
@@ -61,6 +62,8 @@ class FakeEngine:
       (``prepare_in_background``; it takes pageable jobs before that,
       ``pageable_before_prepare``); :meth:`prepare` then waits for :meth:`let_prepare`
       (from any thread) when ``hold_prepare()`` was called before.
+    - A subclass that sets ``made_off_loop = True`` is made in a worker thread, as the
+      CUDA engine is.
 
     It refuses what the contract forbids of its caller: :meth:`submit` off the event
     loop thread, before :meth:`prepare` (but for a pageable job of an engine prepared in
@@ -84,7 +87,13 @@ class FakeEngine:
         self.copy = copy
         self._start_soon = setup.start_soon
         self._inner = HostTransferEngine(setup) if copy else None
-        self._loop_thread = threading.get_ident()
+        # Made off the loop (a subclass that sets ``made_off_loop``): the loop says
+        # which thread it runs on.
+        self._loop_thread = (
+            threading.get_ident()
+            if setup.loop is None or _on_a_loop()
+            else anyio.from_thread.run_sync(threading.get_ident, token=setup.loop)
+        )
         #: Every job taken, in submission order.
         self.submitted: list[SubmittedJob] = []
         self.prepared = False
@@ -257,3 +266,12 @@ class FakeEngine:
             f"<FakeEngine auto={self.auto} copy={self.copy} submitted={len(self.submitted)} "
             f"held={held}>"
         )
+
+
+def _on_a_loop() -> bool:
+    """Whether the calling thread runs an event loop."""
+    try:
+        anyio.lowlevel.current_token()
+    except RuntimeError:
+        return False
+    return True

@@ -18,6 +18,7 @@ from asyncpin import _sys
 from asyncpin._tasks import OwnedTasks
 from asyncpin.abc import EngineFactory, EngineSetup, PinBackend, TransferEngine
 from asyncpin.backends import call_hook, registers_with_cuda
+from asyncpin.engines import made_off_loop
 from asyncpin.kv import KVLayout
 from asyncpin.region import Chunk, HostRegion, round_to_pages
 from asyncpin.testing._engine_blocks import Blocks
@@ -179,8 +180,12 @@ class EngineHarness:
             self.chunk_bytes,
             self._start_soon,
             host_registered=registers_with_cuda(self.backend),
+            loop=anyio.lowlevel.current_token(),
         )
-        engine = self.engine = self.factory(setup)
+        if made_off_loop(self.factory):  # as a manager makes it: in a worker thread
+            engine = self.engine = await anyio.to_thread.run_sync(self.factory, setup)
+        else:
+            engine = self.engine = self.factory(setup)
         del setup, region_bytes
         if not isinstance(engine, TransferEngine):
             raise AssertionError(f"{self.name} made {engine!r}, not a TransferEngine")

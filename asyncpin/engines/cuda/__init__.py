@@ -67,6 +67,11 @@ class CudaTransferEngine:
     # 1.04 against 1.07 in another; 256 MiB ones alike, about 6 ms, while queuing held the
     # loop 1.1 ms: bench/RESULTS.md#transfer-time).
     loop_store_max_bytes = 64 << 20
+    # Made in a worker thread while the manager enters (``setup.loop`` is the loop): on
+    # the loop, this module's import and the address plan over every array were what
+    # the loop ran during a 64-100 GiB entry beside a model's threads, which lagged it
+    # 4.6-11 ms (bench/RESULTS.md#startup).
+    made_off_loop = True
 
     def __init__(self, setup: EngineSetup) -> None:
         layout, host_blocks = setup.layout, setup.host_blocks
@@ -77,7 +82,7 @@ class CudaTransferEngine:
         self._start_soon = setup.start_soon
         # The copy kernel may touch pinned host blocks only if CUDA registered them.
         self._uva = setup.host_registered
-        hooks = loop_hooks(setup.start_soon)
+        hooks = loop_hooks(setup.start_soon, setup.loop)
 
         self._rt = Runtime()
         ptrs = [a.data_ptr() for a in layout.arrays]

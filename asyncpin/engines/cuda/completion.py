@@ -12,7 +12,8 @@ counts as starving threads for a second: it looks every 2 ms, and stores stay on
 loop instead of going to the submitter thread.
 
 What differs between asyncio and trio (how a thread wakes the loop, how the sweep is
-scheduled) is decided once, when the engine is made on the loop (``loop_hooks``).
+scheduled) is decided once, when the engine is made (``loop_hooks``, from the loop the
+manager gives it).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import anyio.from_thread
 import anyio.lowlevel
 import structlog
 
-from asyncpin._tasks import current_loop
 from asyncpin.gate import outside_captures, unless_capturing
 from asyncpin.transfers import Direction, TransferJob
 
@@ -194,9 +194,9 @@ class TrioHooks(LoopHooks):
     """trio: anyio's portal (it returns once the loop has run the call, with its error),
     and the sweep as a task started with ``start_soon`` (trio has no timers)."""
 
-    def __init__(self, start_soon: Callable[..., object]) -> None:
+    def __init__(self, start_soon: Callable[..., object], token: Any) -> None:
         self.start_soon = start_soon
-        self._token = anyio.lowlevel.current_token()
+        self._token = token
 
     def call_soon(self, fn: Callable[..., None], *args: Any) -> None:
         anyio.from_thread.run_sync(fn, *args, token=self._token)
@@ -223,12 +223,15 @@ class TrioHooks(LoopHooks):
             completion.sweeping = False
 
 
-def loop_hooks(start_soon: Callable[..., object]) -> LoopHooks:
-    """The hooks of the running event loop (call it on the loop)."""
-    loop = current_loop()
-    if isinstance(loop, asyncio.AbstractEventLoop):
-        return AsyncioHooks(loop)
-    return TrioHooks(start_soon)
+def loop_hooks(start_soon: Callable[..., object], loop: Any = None) -> LoopHooks:
+    """The hooks of the event loop ``loop`` (``anyio.lowlevel.current_token()`` taken
+    on it, as ``EngineSetup.loop``; from any thread), or of the running one when it is
+    None (call it on the loop then)."""
+    token = anyio.lowlevel.current_token() if loop is None else loop
+    native = token.native_token
+    if isinstance(native, asyncio.AbstractEventLoop):
+        return AsyncioHooks(native)
+    return TrioHooks(start_soon, token)
 
 
 # -- completion -------------------------------------------------------------------------
