@@ -155,12 +155,16 @@ class Opened:
                 self.engine = make_engine(factory, setup)
             except BaseException as exc:
                 del setup
-                # So do the factory's frames, in the traceback of what it raised.
-                traceback.clear_frames(exc.__traceback__)
+                # So do the factory's frames, in the traceback of what it raised and of
+                # the errors chained to it.
+                _clear_frames(exc)
                 raise
 
         if made_off_loop(factory):
             await to_the_end(make)
+            # An anyio cancellation waited for the thread: it is raised here, not at the
+            # next await, which an engine prepared in the background leaves to the body.
+            await anyio.lowlevel.checkpoint_if_cancelled()
         else:
             make()
         assert self.engine is not None
@@ -352,6 +356,20 @@ class _Settles(PinnedSignal):
     def resolve(self, error: BaseException | None = None) -> None:
         super().resolve(error)
         self._then()
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """The locals of the finished frames in the tracebacks of ``exc`` and of every
+    error chained to it (``__cause__``, ``__context__``) dropped."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        error = todo.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        todo += [error.__cause__, error.__context__]
 
 
 def no_stats_fields() -> dict[str, Any]:

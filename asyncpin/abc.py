@@ -106,9 +106,9 @@ class EngineSetup:
     #: then be DMAs.
     host_registered: bool = False
     #: The event loop the manager runs on, as ``anyio.lowlevel.current_token()`` gives
-    #: it there: set by the manager, for an engine made off the loop
-    #: (``made_off_loop``), which cannot ask the loop it is not on. None where the
-    #: engine is made on the loop (a setup of your own may leave it so).
+    #: it there: set by the manager (and by ``check_transfer_engine``), for an engine
+    #: made off the loop (``made_off_loop``), which cannot ask the loop it is not on.
+    #: A setup of your own may leave it None.
     loop: Any = None
 
 
@@ -119,17 +119,19 @@ class TransferEngine(Protocol):
     Contract:
 
     - Made on the event loop from an :class:`EngineSetup`, while the manager enters; or,
-      when the ``engine=`` factory sets ``made_off_loop = True`` (a class attribute of an
-      engine class), in a worker thread while the entry waits, so that a construction
+      when the ``engine=`` factory sets ``made_off_loop = True`` (a class attribute of
+      an engine class), in a worker thread while the entry waits, so that a construction
       of some milliseconds does not hold the loop: such an engine must not call the
-      event loop's API then (``setup.loop`` is the loop). Then ``prepare()`` is called
-      once, in a worker thread: it allocates device resources and loads kernels, so
-      that nothing of it happens mid-serving. No ``submit()`` comes before it has
-      returned (but pageable jobs, below); ``methods()`` and ``record_ready()`` may. By
-      default the manager's entry waits for it; an engine whose class sets
-      ``prepare_in_background = True`` is prepared after entry, while pinning goes on:
-      transfers submitted meanwhile wait for it, and ``mgr.pinned`` includes it (its
-      error, if it fails). One that also sets
+      event loop's API from that thread, but may reach the loop through ``setup.loop``
+      (``anyio.from_thread.run_sync(fn, token=setup.loop)``). A wrapper of such a class
+      (a lambda, a ``partial``) is made on the loop unless it sets the attribute too.
+      Then ``prepare()`` is called once, in a worker thread: it allocates device
+      resources and loads kernels, so that nothing of it happens mid-serving. No
+      ``submit()`` comes before it has returned (but pageable jobs, below);
+      ``methods()`` and ``record_ready()`` may. By default the manager's entry waits for
+      it; an engine whose class sets ``prepare_in_background = True`` is prepared after
+      entry, while pinning goes on: transfers submitted meanwhile wait for it, and
+      ``mgr.pinned`` includes it (its error, if it fails). One that also sets
       ``pageable_before_prepare = True`` takes ``submit(job, pageable=True)`` before
       ``prepare()`` has returned (or while it runs): under the ``"pageable"`` policy
       such a job goes at once instead of waiting for a set-up that ``pinning_paused()``

@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -224,3 +226,80 @@ async def test_the_cuda_engine_is_made_off_the_loop_and_reaches_it(
             await anyio.to_thread.run_sync(hooks.call_soon, ran)
             await done.wait()
     assert ran_on == [threading.get_ident()]
+
+
+class Chained(OffLoop):
+    """Raises a ConfigError while handling a ValueError from a helper given the host
+    view: the helper's frame, reached through ``__context__``, holds the view."""
+
+    def __call__(self, setup: EngineSetup) -> FakeEngine:
+        self.threads.append(threading.get_ident())
+
+        def check(host_blocks: torch.Tensor) -> None:
+            raise ValueError("bad host blocks")
+
+        try:
+            check(setup.host_blocks)
+        except ValueError:
+            raise ConfigError("this engine cannot serve them") from None
+        raise AssertionError("check() returned")
+
+
+@pytest.mark.parametrize("off", [True, False], ids=["off-loop", "on-loop"])
+async def test_errors_chained_to_it_hold_no_view_either(
+    made_regions: MadeRegions, off: bool
+) -> None:
+    factory, backend = Chained(off=off), FakeBackend()
+    with anyio.fail_after(TIMEOUT_S), pytest.raises(ConfigError, match="cannot serve"):
+        async with _manager(factory, backend):
+            pytest.fail("entered")
+    assert _released(made_regions, backend)
+
+
+async def test_a_cancel_while_made_does_not_enter_an_engine_set_up_later(
+    made_regions: MadeRegions,
+) -> None:
+    """An engine prepared in the background (as the CUDA engine): nothing after its
+    making awaits, so the entry itself must raise the cancellation it waited through."""
+
+    class Background(OffLoop):
+        def __call__(self, setup: EngineSetup) -> FakeEngine:
+            self.threads.append(threading.get_ident())
+            self.entered.set()
+            assert self.go_on is not None and self.go_on.wait(TIMEOUT_S)
+            engine = FakeEngine(setup, auto=True, copy=True, background=True)
+            self.engines.append(engine)
+            return engine
+
+    factory, backend = Background(), FakeBackend()
+    factory.go_on = threading.Event()
+    entered = False
+
+    async def enter() -> None:
+        nonlocal entered
+        async with _manager(factory, backend):
+            entered = True
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(enter)
+            await wait_thread_event(factory.entered)
+            tg.cancel_scope.cancel()
+            factory.go_on.set()
+    assert not entered
+    assert factory.engines[0].closed
+    assert _released(made_regions, backend)
+
+
+def test_the_cuda_engine_module_is_imported_in_the_thread_that_makes_it() -> None:
+    """Choosing the engine for CUDA arrays (on the loop) imports nothing of it."""
+    code = (
+        "import sys, torch\n"
+        "from types import SimpleNamespace\n"
+        "from asyncpin.engines import engine_factory, made_off_loop\n"
+        "factory = engine_factory('auto', SimpleNamespace(device=torch.device('cuda', 0)))\n"
+        "assert made_off_loop(factory), factory\n"
+        "assert 'asyncpin.engines.cuda' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
