@@ -14,6 +14,7 @@ import asyncio
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -45,10 +46,13 @@ def _layout() -> KVLayout:
 class OffLoop:
     """Makes copying FakeEngines, off the loop unless ``off=False``; records where."""
 
-    def __init__(self, *, off: bool = True, fail: BaseException | None = None) -> None:
+    def __init__(
+        self, *, off: bool = True, fail: BaseException | None = None, background: bool = False
+    ) -> None:
         if off:
             self.made_off_loop = True
         self.fail = fail
+        self.background = background  # the engine prepared in the background
         self.threads: list[int] = []
         self.loops: list[Any] = []  # each setup's loop (not the setup: its host view
         # would keep the region mapped)
@@ -64,7 +68,7 @@ class OffLoop:
             assert self.go_on.wait(TIMEOUT_S)
         if self.fail is not None:
             raise self.fail
-        engine = FakeEngine(setup, auto=True, copy=True)
+        engine = FakeEngine(setup, auto=True, copy=True, background=self.background)
         self.engines.append(engine)
         return engine
 
@@ -74,6 +78,31 @@ def _manager(
 ) -> OffloadManager:
     layout = layout or _layout()
     return OffloadManager.for_kv(layout, 8, backend=backend, engine=factory, chunk_bytes=8192)
+
+
+async def _entered_though_cancelled(
+    factory: OffLoop, backend: FakeBackend, while_made: Callable[[], None] | None = None
+) -> bool:
+    """Whether the body of an entry ran, the entry cancelled (anyio) while ``factory``
+    makes its engine; ``while_made()`` is called then, the cancel seen."""
+    factory.go_on = threading.Event()
+    entered = False
+
+    async def enter() -> None:
+        nonlocal entered
+        async with _manager(factory, backend):
+            entered = True
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(enter)
+            await wait_thread_event(factory.entered)
+            tg.cancel_scope.cancel()
+            if while_made is not None:
+                await anyio.lowlevel.cancel_shielded_checkpoint()
+                while_made()
+            factory.go_on.set()
+    return entered
 
 
 def _released(made_regions: MadeRegions, backend: FakeBackend) -> bool:
@@ -137,24 +166,12 @@ async def test_a_cancelled_entry_waits_and_closes_the_engine_made(
     made_regions: MadeRegions,
 ) -> None:
     factory, backend = OffLoop(), FakeBackend()
-    factory.go_on = threading.Event()
-    entered = False
 
-    async def enter() -> None:
-        nonlocal entered
-        async with _manager(factory, backend):
-            entered = True
+    def still_mapped() -> None:
+        # The entry waits for the construction: nothing is released under it.
+        assert is_mapped(*made_regions.spans[0])
 
-    with anyio.fail_after(TIMEOUT_S):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(enter)
-            await wait_thread_event(factory.entered)
-            tg.cancel_scope.cancel()
-            # The entry waits for the construction: nothing is released under it.
-            await anyio.lowlevel.cancel_shielded_checkpoint()
-            assert is_mapped(*made_regions.spans[0])
-            factory.go_on.set()
-    assert not entered
+    assert not await _entered_though_cancelled(factory, backend, still_mapped)
     assert factory.engines[0].closed
     assert _released(made_regions, backend)
 
@@ -262,31 +279,8 @@ async def test_a_cancel_while_made_does_not_enter_an_engine_set_up_later(
     """An engine prepared in the background (as the CUDA engine): nothing after its
     making awaits, so the entry itself must raise the cancellation it waited through."""
 
-    class Background(OffLoop):
-        def __call__(self, setup: EngineSetup) -> FakeEngine:
-            self.threads.append(threading.get_ident())
-            self.entered.set()
-            assert self.go_on is not None and self.go_on.wait(TIMEOUT_S)
-            engine = FakeEngine(setup, auto=True, copy=True, background=True)
-            self.engines.append(engine)
-            return engine
-
-    factory, backend = Background(), FakeBackend()
-    factory.go_on = threading.Event()
-    entered = False
-
-    async def enter() -> None:
-        nonlocal entered
-        async with _manager(factory, backend):
-            entered = True
-
-    with anyio.fail_after(TIMEOUT_S):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(enter)
-            await wait_thread_event(factory.entered)
-            tg.cancel_scope.cancel()
-            factory.go_on.set()
-    assert not entered
+    factory, backend = OffLoop(background=True), FakeBackend()
+    assert not await _entered_though_cancelled(factory, backend)
     assert factory.engines[0].closed
     assert _released(made_regions, backend)
 
