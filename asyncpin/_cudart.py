@@ -48,6 +48,7 @@ KNOWN_ERRORS = {
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from UVA
 _EVENT_DISABLE_TIMING = 2
+_STREAM_NON_BLOCKING = 1  # cudaStreamNonBlocking: no implicit order with the legacy stream
 
 # Address arrays for a batched copy: int64 tensors, or array("Q") for small transfers.
 Addresses = Union[torch.Tensor, "array.array[int]"]
@@ -136,6 +137,7 @@ class Runtime:
         ]
         lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.cudaEventDestroy.argtypes = [ctypes.c_void_p]
+        lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
         lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
         self.batch = getattr(lib, "cudaMemcpyBatchAsync", None) if self.version >= 12080 else None
         # src order "stream" (1); prefer overlap with compute (1): leave the SMs alone.
@@ -203,6 +205,20 @@ class Runtime:
         code = self.lib.cudaEventCreateWithFlags(ctypes.byref(handle), _EVENT_DISABLE_TIMING)
         self.check("cudaEventCreateWithFlags", code)
         return int(handle.value or 0)
+
+    def stream(self) -> int:
+        """A stream of the caller's own, made on the current device and non-blocking, as
+        torch's are. ``torch.cuda.Stream()`` hands out the streams of a pool of 32 per
+        priority, in turn, to whoever asks: another of the process's threads may get
+        the same stream for its model's work or for a graph capture, whose sequence
+        would then take in the engine's copies (and fail them, and break the capture)."""
+        handle = ctypes.c_void_p()
+        code = self.lib.cudaStreamCreateWithFlags(ctypes.byref(handle), _STREAM_NON_BLOCKING)
+        self.check("cudaStreamCreateWithFlags", code)
+        return int(handle.value or 0)
+
+    def destroy_stream(self, stream: int) -> None:
+        self.lib.cudaStreamDestroy(stream)  # released once its queued work is done
 
     def record(self, event: int, stream: int) -> None:
         self.check("cudaEventRecord", self.lib.cudaEventRecord(event, stream))

@@ -28,7 +28,7 @@ from asyncpin._cudart import Runtime, batch_copy_available
 from asyncpin.abc import EngineSetup
 from asyncpin.engines.cuda.completion import Completion, Submitter, loop_hooks
 from asyncpin.engines.cuda.kernel import kernel_available
-from asyncpin.engines.cuda.lanes import Lane
+from asyncpin.engines.cuda.lanes import Lane, own_stream
 from asyncpin.engines.cuda.methods import CopyMethods, load_kernel, on_device
 from asyncpin.engines.cuda.plan import (
     BATCH_MIN_BLOCK_BYTES,
@@ -294,7 +294,7 @@ class CudaTransferEngine:
             with self._pageable_lock:
                 stream = self._pageable.get(direction)
                 if stream is None:
-                    stream = self._pageable[direction] = torch.cuda.Stream(self._device)
+                    stream = self._pageable[direction] = own_stream(self._rt, self._device)
             self._copies.pageable(job, stream)
 
     def _enqueue(self, job: TransferJob, method: str) -> None:
@@ -348,8 +348,22 @@ class CudaTransferEngine:
         # Device memory back to torch's allocator at close, not when the manager object
         # is collected.
         self._copies.release()
-        with torch.cuda.device(self._index):
-            for lane in self._lanes.values():
+        with self._pageable_lock:
+            streams = self.streams()
+            self._pageable.clear()
+        lanes, self._lanes = self._lanes, {}  # destroyed once, whoever calls again
+        # Outside any capture, which a stream's destruction might break. Every transfer
+        # has finished, so the streams are idle.
+        with outside_captures(), torch.cuda.device(self._index):
+            for lane in lanes.values():
                 lane.staging, lane.ids = None, torch.empty(0, dtype=torch.int64)
                 for event in lane.events():
                     self._rt.destroy(event)
+            for stream in streams:
+                self._rt.destroy_stream(stream)
+
+    def streams(self) -> list[int]:
+        """The streams the engine has made (its lanes' and its pageable copies'), as
+        raw handles; none once it is closed."""
+        lanes = [s.cuda_stream for lane in self._lanes.values() for s in lane.streams()]
+        return lanes + [s.cuda_stream for s in list(self._pageable.values())]

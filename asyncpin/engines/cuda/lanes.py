@@ -14,7 +14,7 @@ import torch
 
 from asyncpin._cudart import Runtime
 
-__all__ = ["STAGING_BYTES", "Lane"]
+__all__ = ["STAGING_BYTES", "Lane", "own_stream"]
 
 STAGING_BYTES = 256 << 20  # per direction, in two halves
 
@@ -27,8 +27,8 @@ class Lane:
     another thread captures a CUDA graph fails and breaks the capture."""
 
     def __init__(self, rt: Runtime, device: torch.device, max_ids: int) -> None:
-        self.kernel = torch.cuda.Stream(device)
-        self.dma = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        self.kernel = own_stream(rt, device)
+        self.dma = (own_stream(rt, device), own_stream(rt, device))
         # Recorded and waited on by one thread at a time (the event loop's, or for stores
         # the submitter's while it is busy), in job order: shared by all jobs.
         self.ready = rt.event()  # the caller's stream at submission
@@ -65,3 +65,13 @@ class Lane:
 
     def events(self) -> list[int]:
         return [self.ready, self.last, self.step, *self.moved, *self.free[0], *self.free[1]]
+
+    def streams(self) -> list[torch.cuda.Stream]:
+        return [self.kernel, *self.dma]
+
+
+def own_stream(rt: Runtime, device: torch.device) -> torch.cuda.Stream:
+    """A stream made for the engine alone (``Runtime.stream``, on the current device:
+    the caller's ``torch.cuda.device``), which torch's calls take as any other; the
+    engine destroys it at close."""
+    return torch.cuda.ExternalStream(rt.stream(), device=device)
