@@ -184,7 +184,7 @@ class Opened:
 
     @property
     def background(self) -> bool:
-        """Whether the engine is prepared after entry, while pinning goes on."""
+        """Whether the engine is prepared after entry, before the region pins."""
         return bool(getattr(self.engine, "prepare_in_background", False))
 
     def _engine_prepared(self, error: BaseException | None) -> None:
@@ -202,9 +202,14 @@ class Opened:
             # Its worker thread is started with the pipeline's, before anything is faulted
             # (the memory-map lock) and before the set-up runs (its torch calls hold the
             # GIL, and each thread start on the loop waits for the new thread to take
-            # the GIL).
+            # the GIL). The set-up runs after the backend's warm-up and before the region
+            # is faulted in: on the H200 it took 14-21 ms so, against 128-155 ms beside
+            # 100 GiB faulting in, where a model's step stretched up to 2.08x
+            # (bench/RESULTS.md#startup, runs 137, 140 and 141).
             tasks.start_soon(
-                self.scheduler.run, partial(tasks.start_soon, self._prepare_engine, log)
+                self.scheduler.run,
+                partial(tasks.start_soon, self._prepare_engine, log),
+                self.engine_ready.settled,
             )
         else:
             tasks.start_soon(self.scheduler.run)

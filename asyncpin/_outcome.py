@@ -60,5 +60,9 @@ class Outcome:
             error.__suppress_context__ = self._suppress
             raise error.with_traceback(self._traceback)
 
+    async def settled(self) -> None:
+        """Return once it is settled, whichever way, without raising its error."""
+        await self._event.wait()
+
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()

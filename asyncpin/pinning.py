@@ -14,7 +14,7 @@ import errno
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -167,16 +167,23 @@ class PinScheduler:
 
     # -- pipeline ---------------------------------------------------------------------
 
-    async def run(self, beside: Callable[[], object] | None = None) -> None:
+    async def run(
+        self,
+        beside: Callable[[], object] | None = None,
+        then: Callable[[], Awaitable[object]] | None = None,
+    ) -> None:
         """Run the pipeline. ``beside()``, if given, is called once the pipeline's threads
         (and one more for it) have started and the backend's ``warm_up()`` has returned,
-        before anything is faulted or pinned, or at once if the pipeline failed before:
-        what it starts in a worker thread finds one waiting.
+        or at once if the pipeline failed before: what it starts in a worker thread finds
+        one waiting. ``then()``, if given, is awaited after it, before anything is
+        faulted or pinned (the engine's set-up, which ``beside()`` starts).
 
         The warm-up comes first, alone: on the H200 the CUDA backend's context took
         0.11-0.14 s made so, 0.8-1.35 s with a 16 GiB region prefaulting beside it, and
         0.3-1.5 s with the CUDA engine's first set-up beside it
-        (``bench/probes/first_pin.py``)."""
+        (``bench/probes/first_pin.py``). The engine's set-up comes next, alone too: 14-21
+        ms made so, against 128-155 ms beside 100 GiB faulting in, where a model's step
+        stretched up to 2.08x (bench/RESULTS.md#startup)."""
         self._log.info("pin.started", chunks=len(self.chunks), chunk_bytes=self._chunk_bytes)
         try:
             send, receive = anyio.create_memory_object_stream[Chunk](math.inf)
@@ -194,6 +201,8 @@ class PinScheduler:
             finally:
                 if beside is not None:
                     beside()
+            if then is not None:
+                await then()
             async with anyio.create_task_group() as tg, send, receive:
                 for _ in range(self._prefault_threads):
                     tg.start_soon(self._prefault_worker, send.clone(), prefault_limiter)

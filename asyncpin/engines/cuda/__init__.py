@@ -53,7 +53,7 @@ class CudaTransferEngine:
     """Store/load lanes, copy methods and completion waiters for one KV layout."""
 
     name = "cuda"
-    # Prepared after the manager's entry, while pinning goes on: transfers wait for it.
+    # Prepared after the manager's entry, before the region pins: transfers wait for it.
     prepare_in_background = True
     # Takes pageable jobs before prepare() (they need none of it): under the "pageable"
     # policy they go at once, even while pinning_paused() holds the set-up back.
