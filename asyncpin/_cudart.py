@@ -137,7 +137,6 @@ class Runtime:
         ]
         lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.cudaEventDestroy.argtypes = [ctypes.c_void_p]
-        lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
         lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
         self.batch = getattr(lib, "cudaMemcpyBatchAsync", None) if self.version >= 12080 else None
         # src order "stream" (1); prefer overlap with compute (1): leave the SMs alone.
@@ -216,9 +215,6 @@ class Runtime:
         code = self.lib.cudaStreamCreateWithFlags(ctypes.byref(handle), _STREAM_NON_BLOCKING)
         self.check("cudaStreamCreateWithFlags", code)
         return int(handle.value or 0)
-
-    def destroy_stream(self, stream: int) -> None:
-        self.lib.cudaStreamDestroy(stream)  # released once its queued work is done
 
     def record(self, event: int, stream: int) -> None:
         self.check("cudaEventRecord", self.lib.cudaEventRecord(event, stream))

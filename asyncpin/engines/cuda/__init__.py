@@ -28,7 +28,7 @@ from asyncpin._cudart import Runtime, batch_copy_available
 from asyncpin.abc import EngineSetup
 from asyncpin.engines.cuda.completion import Completion, Submitter, loop_hooks
 from asyncpin.engines.cuda.kernel import kernel_available
-from asyncpin.engines.cuda.lanes import Lane, own_stream
+from asyncpin.engines.cuda.lanes import Lane, give_back, own_stream
 from asyncpin.engines.cuda.methods import CopyMethods, load_kernel, on_device
 from asyncpin.engines.cuda.plan import (
     BATCH_MIN_BLOCK_BYTES,
@@ -111,6 +111,7 @@ class CudaTransferEngine:
         self._copies = CopyMethods(self._rt, self._plan, None)
         self._fallbacks_logged: set[str] = set()
         self._lanes: dict[Direction, Lane] = {}  # made by prepare()
+        self._streams: list[torch.cuda.Stream] = []  # every stream it took (own_stream)
         # Pageable jobs' streams, one per direction, made by the first such job's worker
         # thread: a pageable job may come before prepare() (the contract).
         self._pageable: dict[Direction, torch.cuda.Stream] = {}
@@ -159,7 +160,7 @@ class CudaTransferEngine:
             if copies.kernel is not None:  # the copy kernel's tables
                 copies.to_device(self._device, max(layout.num_blocks, self._num_host_blocks))
             for d in ("store", "load"):
-                lane = Lane(rt, self._device, max_ids[d] if copies.kernel else 0)
+                lane = Lane(rt, self._device, max_ids[d] if copies.kernel else 0, self._streams)
                 whole = self._plan.all_arrays
                 if (
                     copies.kernel is not None
@@ -294,7 +295,9 @@ class CudaTransferEngine:
             with self._pageable_lock:
                 stream = self._pageable.get(direction)
                 if stream is None:
-                    stream = self._pageable[direction] = own_stream(self._rt, self._device)
+                    stream = self._pageable[direction] = own_stream(
+                        self._rt, self._device, self._streams
+                    )
             self._copies.pageable(job, stream)
 
     def _enqueue(self, job: TransferJob, method: str) -> None:
@@ -349,21 +352,18 @@ class CudaTransferEngine:
         # is collected.
         self._copies.release()
         with self._pageable_lock:
-            streams = self.streams()
+            streams, self._streams = self._streams, []
             self._pageable.clear()
-        lanes, self._lanes = self._lanes, {}  # destroyed once, whoever calls again
-        # Outside any capture, which a stream's destruction might break. Every transfer
-        # has finished, so the streams are idle.
-        with outside_captures(), torch.cuda.device(self._index):
+        lanes, self._lanes = self._lanes, {}  # released once, whoever calls again
+        with torch.cuda.device(self._index):
             for lane in lanes.values():
                 lane.staging, lane.ids = None, torch.empty(0, dtype=torch.int64)
                 for event in lane.events():
                     self._rt.destroy(event)
-            for stream in streams:
-                self._rt.destroy_stream(stream)
+        give_back(streams)  # idle: every transfer has finished
 
     def streams(self) -> list[int]:
-        """The streams the engine has made (its lanes' and its pageable copies'), as
-        raw handles; none once it is closed."""
-        lanes = [s.cuda_stream for lane in self._lanes.values() for s in lane.streams()]
-        return lanes + [s.cuda_stream for s in list(self._pageable.values())]
+        """The streams the engine took (its lanes' and its pageable copies'), as raw
+        handles; none once it is closed."""
+        with self._pageable_lock:
+            return [s.cuda_stream for s in self._streams]

@@ -10,11 +10,13 @@ Pageable jobs have a stream of their own.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from asyncpin._cudart import Runtime
 
-__all__ = ["STAGING_BYTES", "Lane", "own_stream"]
+__all__ = ["STAGING_BYTES", "Lane", "give_back", "own_stream"]
 
 STAGING_BYTES = 256 << 20  # per direction, in two halves
 
@@ -26,9 +28,13 @@ class Lane:
     staging where pack is the layout's default method: allocating device memory while
     another thread captures a CUDA graph fails and breaks the capture."""
 
-    def __init__(self, rt: Runtime, device: torch.device, max_ids: int) -> None:
-        self.kernel = own_stream(rt, device)
-        self.dma = (own_stream(rt, device), own_stream(rt, device))
+    def __init__(
+        self, rt: Runtime, device: torch.device, max_ids: int, made: list[torch.cuda.Stream]
+    ) -> None:
+        # Each stream goes into ``made`` as it comes: the engine gives them back at close,
+        # whatever fails after.
+        self.kernel = own_stream(rt, device, made)
+        self.dma = (own_stream(rt, device, made), own_stream(rt, device, made))
         # Recorded and waited on by one thread at a time (the event loop's, or for stores
         # the submitter's while it is busy), in job order: shared by all jobs.
         self.ready = rt.event()  # the caller's stream at submission
@@ -70,8 +76,35 @@ class Lane:
         return [self.kernel, *self.dma]
 
 
-def own_stream(rt: Runtime, device: torch.device) -> torch.cuda.Stream:
-    """A stream made for the engine alone (``Runtime.stream``, on the current device:
-    the caller's ``torch.cuda.device``), which torch's calls take as any other; the
-    engine destroys it at close."""
-    return torch.cuda.ExternalStream(rt.stream(), device=device)
+# The engines' idle streams, by device index: made once, given back at an engine's close,
+# and never destroyed, because torch's allocator keeps the stream of the memory allocated
+# on it (with expandable segments it synchronises that stream when it unmaps the memory,
+# long after the engine has closed).
+_idle: dict[int, list[int]] = {}
+_idle_lock = threading.Lock()
+
+
+def own_stream(
+    rt: Runtime, device: torch.device, made: list[torch.cuda.Stream]
+) -> torch.cuda.Stream:
+    """A stream for the engine alone, appended to ``made``: an idle one an engine gave
+    back, or a new one (``Runtime.stream``, on the current device: the caller's
+    ``torch.cuda.device``). Never one of ``torch.cuda.Stream()``'s pool, which a model's
+    thread may be capturing a graph on."""
+    index = device.index if device.index is not None else 0
+    with _idle_lock:
+        idle = _idle.get(index)
+        handle = idle.pop() if idle else None
+    if handle is None:
+        handle = rt.stream()
+    stream = torch.cuda.ExternalStream(handle, device=device)
+    made.append(stream)
+    return stream
+
+
+def give_back(streams: list[torch.cuda.Stream]) -> None:
+    """Streams an engine made, idle now (every transfer has finished), for later engines."""
+    with _idle_lock:
+        for stream in streams:
+            index = stream.device.index if stream.device.index is not None else 0
+            _idle.setdefault(index, []).append(stream.cuda_stream)
