@@ -33,6 +33,12 @@ from asyncpin.transfers import Transfer, host_bytes_view
 
 __all__ = ["Opened"]
 
+#: How long the pin pipeline waits for an engine's background set-up before it faults the
+#: region in all the same. The set-up took 14-31 ms on the H200 (runs 140-142), but it
+#: waits for the capture gate and for ``pinning_paused()``, which a server may hold for
+#: its whole graph capture: faulting in must not wait that long.
+SET_UP_WAIT_S = 0.5
+
 
 class Opened:
     """The resources of one open manager. ``open()`` makes them (releasing what it made
@@ -203,16 +209,21 @@ class Opened:
             # (the memory-map lock) and before the set-up runs (its torch calls hold the
             # GIL, and each thread start on the loop waits for the new thread to take
             # the GIL). The set-up runs after the backend's warm-up and before the region
-            # is faulted in: on the H200 it took 14-21 ms so, against 128-155 ms beside
-            # 100 GiB faulting in, where a model's step stretched up to 2.08x
-            # (bench/RESULTS.md#startup, runs 137, 140 and 141).
+            # is faulted in (unless it takes over SET_UP_WAIT_S): on the H200 it took
+            # 14-31 ms so, against 128-155 ms beside 100 GiB faulting in, where a model's
+            # step stretched up to 2.08x (bench/RESULTS.md#startup, runs 137 and 140-142).
             tasks.start_soon(
                 self.scheduler.run,
                 partial(tasks.start_soon, self._prepare_engine, log),
-                self.engine_ready.settled,
+                self._set_up_first,
             )
         else:
             tasks.start_soon(self.scheduler.run)
+
+    async def _set_up_first(self) -> None:
+        """Return once the engine's set-up is over, or after ``SET_UP_WAIT_S``."""
+        with anyio.move_on_after(SET_UP_WAIT_S):
+            await self.engine_ready.settled()
 
     async def _prepare_engine(self, log: Any) -> None:
         engine = self.engine

@@ -176,7 +176,8 @@ class PinScheduler:
         (and one more for it) have started and the backend's ``warm_up()`` has returned,
         or at once if the pipeline failed before: what it starts in a worker thread finds
         one waiting. ``then()``, if given, is awaited after it, before anything is
-        faulted or pinned (the engine's set-up, which ``beside()`` starts).
+        faulted or pinned (the engine's set-up, which ``beside()`` starts, for at most
+        half a second).
 
         The warm-up comes first, alone: on the H200 the CUDA backend's context took
         0.11-0.14 s made so, 0.8-1.35 s with a 16 GiB region prefaulting beside it, and

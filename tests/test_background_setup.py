@@ -28,6 +28,7 @@ import anyio
 import pytest
 import torch
 
+import asyncpin._opened as opened
 from asyncpin import InvalidTransferError, KVLayout, OffloadManager, TransferError
 from asyncpin.abc import EngineSetup
 from asyncpin.region import HostRegion
@@ -123,6 +124,7 @@ async def test_nothing_is_faulted_in_or_pinned_while_the_engine_is_set_up(
         return prefault(self, offset, nbytes, *args)
 
     monkeypatch.setattr(HostRegion, "prefault", mark)
+    monkeypatch.setattr(opened, "SET_UP_WAIT_S", TIMEOUT_S)
     made, backend = Made(), FakeBackend()
     with anyio.fail_after(TIMEOUT_S):
         async with _manager(made, backend) as mgr:
@@ -182,6 +184,26 @@ async def test_a_failed_preparation_fails_pinned_and_the_transfers(
             assert made.engine.submitted == []
             assert mgr.stats().transfers_in_flight == 0
     assert made.engine.closed
+    assert _released(made_regions, backend)
+
+
+async def test_a_set_up_held_back_holds_faulting_in_for_a_while_only(
+    made_regions: MadeRegions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A set-up held back (at the capture gate a server holds through its graph capture,
+    # say) lets the region be faulted in and pinned after SET_UP_WAIT_S.
+    monkeypatch.setattr(opened, "SET_UP_WAIT_S", 0.01)
+    made, backend = Made(), FakeBackend()
+    with anyio.fail_after(TIMEOUT_S):
+        async with _manager(made, backend) as mgr:
+            try:
+                await wait_thread_event(made.entered_prepare)
+                await mgr._opened.scheduler.pinned  # type: ignore[union-attr]
+                assert mgr.stats().chunks_pinned == 4 and not made.engine.prepared
+                assert not mgr.pinned.is_set()
+            finally:
+                made.engine.let_prepare()  # a close waits for the set-up
+            await mgr.pinned
     assert _released(made_regions, backend)
 
 
@@ -346,7 +368,7 @@ async def test_the_set_up_waits_while_pinning_is_paused() -> None:
 async def test_a_pageable_transfer_does_not_wait_for_a_set_up_held_by_a_pause(
     made_regions: MadeRegions,
 ) -> None:
-    # pinning_paused() holds pin and unpin calls only. With the "pageable" policy, a
+    # pinning_paused() holds pin and unpin calls and the set-up. With the "pageable" policy, a
     # transfer whose chunks are not pinned copies through pageable memory at once, even
     # while the pause holds the engine's set-up back (it waited for the pause until the
     # pause ended). A transfer over pinned chunks would still wait for the set-up.

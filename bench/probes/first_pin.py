@@ -5,8 +5,8 @@ the pin context takes 0.12-0.21 s (``context_create.py``, runs 127-130)?
         [--after-recipe GIB] [--plain]
 
 One fresh process per mode, torch's context made first; then a KV manager of ``--gib``
-(the CUDA engine, whose first set-up in a process loads the copy kernel, beside its
-first pin calls), with each pin call timed:
+(the CUDA engine, whose first set-up in a process loads the copy kernel: beside its
+first pin calls until c32b8b7, before them since), with each pin call timed:
 
 - ``manager``: as the bench's first manager: its first pin call makes the context;
 - ``context-first``: the pin context made (and timed) before the manager is entered;
