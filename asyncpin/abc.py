@@ -130,8 +130,9 @@ class TransferEngine(Protocol):
       ``submit()`` comes before it has returned (but pageable jobs, below);
       ``methods()`` and ``record_ready()`` may. By default the manager's entry waits for
       it; an engine whose class sets ``prepare_in_background = True`` is prepared after
-      entry, in the pin pipeline's start (after the pin backend's ``warm_up()``, before
-      the region is faulted in and pinned): transfers submitted meanwhile wait for it, and
+      entry, in the pin pipeline's start (after the pin backend's ``warm_up()``; the
+      region is faulted in and pinned once it returns, or after half a second if it has
+      not): transfers submitted meanwhile wait for it, and
       ``mgr.pinned`` includes it (its error, if it fails). One that also sets
       ``pageable_before_prepare = True`` takes ``submit(job, pageable=True)`` before
       ``prepare()`` has returned (or while it runs): under the ``"pageable"`` policy
