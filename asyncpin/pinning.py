@@ -176,15 +176,15 @@ class PinScheduler:
         (and one more for it) have started and the backend's ``warm_up()`` has returned,
         or at once if the pipeline failed before: what it starts in a worker thread finds
         one waiting. ``then()``, if given, is awaited after it, before anything is
-        faulted or pinned (the engine's set-up, which ``beside()`` starts, for at most
-        half a second).
+        faulted or pinned (a KV manager's: the engine's set-up, which ``beside()``
+        starts, for at most ``asyncpin._opened.SET_UP_WAIT_S``).
 
         The warm-up comes first, alone: on the H200 the CUDA backend's context took
         0.11-0.14 s made so, 0.8-1.35 s with a 16 GiB region prefaulting beside it, and
         0.3-1.5 s with the CUDA engine's first set-up beside it
-        (``bench/probes/first_pin.py``). The engine's set-up comes next, alone too: 14-21
-        ms made so, against 128-155 ms beside 100 GiB faulting in, where a model's step
-        stretched up to 2.08x (bench/RESULTS.md#startup)."""
+        (``bench/probes/first_pin.py``). The engine's set-up comes next, alone unless it
+        outlasts ``then()``: 14-31 ms made so, against 128-155 ms beside 100 GiB faulting
+        in, where a model's step stretched up to 2.08x (bench/RESULTS.md#startup)."""
         self._log.info("pin.started", chunks=len(self.chunks), chunk_bytes=self._chunk_bytes)
         try:
             send, receive = anyio.create_memory_object_stream[Chunk](math.inf)

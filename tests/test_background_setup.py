@@ -3,7 +3,8 @@ and the pin pipeline's threads, started before it faults anything.
 
 - Entry returns before the engine is prepared; ``pinned`` and ``is_pinned()`` wait for the
   preparation as well as for the chunks. The region is faulted in and pinned once the
-  preparation is over (after the pin backend's warm-up, before the chunks).
+  preparation is over (after the pin backend's warm-up, before the chunks), or after
+  ``SET_UP_WAIT_S`` if it is held back.
 - Transfers submitted meanwhile reach the engine only once it is prepared, in submission
   order (a pageable one at once, if the engine takes it before: ``pageable_before_prepare``);
   bad input is refused at once, with nothing queued.

@@ -10,6 +10,7 @@ Pageable jobs have a stream of their own.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -97,7 +98,12 @@ def own_stream(
         handle = idle.pop() if idle else None
     if handle is None:
         handle = rt.stream()
-    stream = torch.cuda.ExternalStream(handle, device=device)
+    try:
+        stream = torch.cuda.ExternalStream(handle, device=device)
+    except BaseException:
+        with _idle_lock:
+            _idle.setdefault(index, []).append(handle)  # not lost: streams live on
+        raise
     made.append(stream)
     return stream
 
@@ -108,3 +114,14 @@ def give_back(streams: list[torch.cuda.Stream]) -> None:
         for stream in streams:
             index = stream.device.index if stream.device.index is not None else 0
             _idle.setdefault(index, []).append(stream.cuda_stream)
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of the parent's streams (nor its CUDA), and a lock another
+    thread held at the fork would stay held."""
+    global _idle_lock
+    _idle.clear()
+    _idle_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
