@@ -229,8 +229,11 @@ class Opened:
         engine = self.engine
         assert engine is not None
         try:
-            # Its own thread slot: the application's default pool may be full.
-            await anyio.to_thread.run_sync(self._prepare_paused, limiter=anyio.CapacityLimiter(1))
+            # Its own thread slot (the application's default pool may be full), waited
+            # for to its end: a native Task.cancel() (asyncio.run gives one to every task
+            # left at its end) would end the wait at once and let a close free the host
+            # blocks the set-up still uses.
+            await to_the_end(self._prepare_paused)
         except Exception as exc:
             if not isinstance(exc, anyio.ClosedResourceError):
                 log.error("engine.prepare_failed", engine=engine.name, error=repr(exc))

@@ -557,3 +557,31 @@ async def test_a_pipeline_that_fails_before_its_warm_up_still_ends(
         assert backend.warm_up_at == [] and backend.calls == []
     finally:
         region.release()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("cancelled", ["_prepare_engine", "PinScheduler.run"])
+async def test_a_native_cancel_during_the_set_up_does_not_let_a_close_free_it_early(
+    made_regions: MadeRegions, cancelled: str
+) -> None:
+    # Task.cancel() ends a wait for a worker thread at once (asyncio.run does it to every
+    # task left at its end): the set-up's thread went on with the host blocks while the
+    # close closed the engine, unpinned and unmapped them. The pipeline, cancelled while it
+    # waits for the set-up, must not let the close go on either.
+    import asyncio
+
+    made, backend = Made(), FakeBackend()
+    mgr = _manager(made, backend)
+    with anyio.fail_after(TIMEOUT_S):
+        await mgr.__aenter__()
+        await wait_thread_event(made.entered_prepare)
+        (task,) = [t for t in asyncio.all_tasks() if cancelled in t.get_name()]
+        task.cancel()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(mgr.aclose)
+            await anyio.wait_all_tasks_blocked()
+            assert not made.engine.closed and is_mapped(*made_regions.spans[0])
+            made.engine.let_prepare()
+        assert mgr.state.value == "closed"
+    assert made.engine.closed
+    assert _released(made_regions, backend)
