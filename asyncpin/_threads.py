@@ -1,14 +1,33 @@
-"""A call in a worker thread that is waited for to its end, whatever cancellations come."""
+"""A call in a worker thread that is waited for to its end, whatever cancellations come,
+and a way back to the event loop that does not wait for it."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import anyio.to_thread
 
-__all__ = ["Once", "to_the_end"]
+from asyncpin._tasks import current_loop
+
+__all__ = ["Once", "call_soon", "to_the_end"]
+
+
+def call_soon(fn: Callable[[], None]) -> Callable[[], None]:
+    """A callable that schedules ``fn`` on the running event loop and returns at once,
+    from any thread, and from a signal handler (asyncio's ``call_soon_threadsafe``,
+    trio's ``run_sync_soon``). Make it on the loop."""
+    loop: Any = current_loop()  # asyncio's loop, or trio's token for this run
+    if isinstance(loop, asyncio.AbstractEventLoop):
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(fn)
+
+        return wake
+    return lambda: loop.run_sync_soon(fn)
 
 
 async def to_the_end(fn: Callable[[], object]) -> None:

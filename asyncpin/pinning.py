@@ -1,17 +1,23 @@
 """The pin pipeline: chunks → prefault → pin, in worker threads, with a pause gate.
 
-Two stages run as anyio tasks that hand each blocking call to a worker thread through
-``anyio.to_thread.run_sync`` with their own capacity limiters (so the application's
-default thread pool stays free). Chunk state changes happen inside the thread call
-itself, so a chunk whose pin returned is recorded as pinned even if the awaiting task is
-cancelled at that moment: close then knows exactly what to unpin.
+Prefault workers are anyio tasks that hand each chunk's faulting to a worker thread
+through ``anyio.to_thread.run_sync`` with their own capacity limiter (so the
+application's default thread pool stays free); each chunk faulted in goes on a
+thread-safe queue. A pin worker is one worker thread that takes chunks from that queue
+and pins them one after the other, without going back to the event loop in between
+(each round trip cost about 0.27 ms per chunk on the H200 beside a model: 0.28 s of 4.1
+s at 64 GiB in 64 MiB chunks, 1.1 s of 5.8 s in 16 MiB ones; bench/RESULTS.md#startup);
+it tells the loop of its progress without waiting for it. Chunk state changes happen
+inside the thread itself, so a chunk whose pin returned is recorded as pinned whatever
+happens to the awaiting task: close then knows exactly what to unpin, and it waits for
+the pin thread to end (``to_the_end``), whatever cancellations come.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import math
+import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -21,11 +27,10 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.to_thread
 import structlog
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from asyncpin._log import ShieldedLog
 from asyncpin._outcome import Outcome
-from asyncpin._threads import to_the_end
+from asyncpin._threads import call_soon, to_the_end
 from asyncpin.backends import call_hook
 from asyncpin.chunks import ChunkState, ChunkTable
 from asyncpin.errors import BackendCallError, PinError, describe_error
@@ -116,6 +121,9 @@ class PinScheduler:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._next = 0
+        # Chunks faulted in, for the pin threads; None tells one of them to end.
+        self._faulted: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
+        self._notify_pending = False
         self.slowest_pin_seconds = 0.0
         self.unpin_seconds: float | None = None
         self.done = anyio.Event()
@@ -149,6 +157,11 @@ class PinScheduler:
         self._stop.set()
         self.table.stop()
         self.gate.wake()
+        self._end_pin_threads()
+
+    def _end_pin_threads(self) -> None:
+        for _ in range(self._pin_threads):
+            self._faulted.put(None)
 
     @property
     def stopping(self) -> bool:
@@ -187,9 +200,7 @@ class PinScheduler:
         in, where a model's step stretched up to 2.08x (bench/RESULTS.md#startup)."""
         self._log.info("pin.started", chunks=len(self.chunks), chunk_bytes=self._chunk_bytes)
         try:
-            send, receive = anyio.create_memory_object_stream[Chunk](math.inf)
             prefault_limiter = anyio.CapacityLimiter(self._prefault_threads)
-            pin_limiter = anyio.CapacityLimiter(self._pin_threads)
             try:
                 extra = 0 if beside is None else 1
                 await _start_threads(self._prefault_threads + self._pin_threads + extra)
@@ -204,11 +215,17 @@ class PinScheduler:
                     beside()
             if then is not None:
                 await then()
-            async with anyio.create_task_group() as tg, send, receive:
-                for _ in range(self._prefault_threads):
-                    tg.start_soon(self._prefault_worker, send.clone(), prefault_limiter)
+            async with anyio.create_task_group() as tg:
                 for _ in range(self._pin_threads):
-                    tg.start_soon(self._pin_worker, receive.clone(), pin_limiter)
+                    tg.start_soon(self._pin_worker)
+                try:
+                    async with anyio.create_task_group() as faulting:
+                        for _ in range(self._prefault_threads):
+                            faulting.start_soon(self._prefault_worker, prefault_limiter)
+                except BaseException:
+                    self.stop()  # the pin threads end after the call under way
+                    raise
+                self._end_pin_threads()  # once they have pinned what is queued
         except Exception as exc:
             # A bug here must surface through `pinned`, never cancel the host's task group
             # nor vanish.
@@ -262,41 +279,31 @@ class PinScheduler:
                 self._next += 1
             yield chunk
 
-    async def _prefault_worker(
-        self, send: ObjectSendStream[Chunk], limiter: anyio.CapacityLimiter
-    ) -> None:
-        async with send:
-            for chunk in self._take():
-                if await anyio.to_thread.run_sync(self._prefault_one, chunk, limiter=limiter):
-                    try:
-                        await send.send(chunk)
-                    except anyio.BrokenResourceError:
-                        # Every pin worker has left because stop() was called (a failure
-                        # or close) while this chunk was being prefaulted: nothing will
-                        # pin it, and it must not crash the task group.
-                        return
+    async def _prefault_worker(self, limiter: anyio.CapacityLimiter) -> None:
+        for chunk in self._take():
+            if await anyio.to_thread.run_sync(self._prefault_one, chunk, limiter=limiter):
+                self._faulted.put(chunk)
 
-    async def _pin_worker(
-        self, receive: ObjectReceiveStream[Chunk], limiter: anyio.CapacityLimiter
-    ) -> None:
-        async with receive:
-            async for chunk in receive:
-                if self._stop.is_set():
-                    return
-                await anyio.to_thread.run_sync(self._pin_one, chunk, limiter=limiter)
-                self.table.notify()
-                if self._pin_interval_s > 0 and not self._stop.is_set():
-                    await self._pause(limiter)
+    async def _pin_worker(self) -> None:
+        """Pin chunks in a worker thread of its own until told to end, waited for to its
+        end (a close must not unpin while a pin call is under way)."""
+        await to_the_end(partial(self._pin_loop, call_soon(self._notify)))
 
-    async def _pause(self, limiter: anyio.CapacityLimiter) -> None:
-        """Wait ``pin_interval_s``, or less if stop() is called from whichever thread: a
-        close or a failure must not wait it out. The wait goes in slices of at most a
-        second, so that a thread abandoned with its event loop ends soon after."""
-        deadline = time.monotonic() + self._pin_interval_s
-        while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
-            await anyio.to_thread.run_sync(
-                self._stop.wait, min(left, 1.0), abandon_on_cancel=True, limiter=limiter
-            )
+    def _notify(self) -> None:
+        """On the loop: wake the transfers waiting for chunks."""
+        self._notify_pending = False
+        self.table.notify()
+
+    def _pin_loop(self, wake: Callable[[], None]) -> None:
+        while (chunk := self._faulted.get()) is not None and not self._stop.is_set():
+            self._pin_one(chunk)
+            # The loop is told of the progress once per wake-up it has not handled yet
+            # (its notify() looks again at every chunk).
+            if not self._notify_pending:
+                self._notify_pending = True
+                wake()
+            if self._pin_interval_s > 0:
+                self._stop.wait(self._pin_interval_s)
 
     # -- thread side ------------------------------------------------------------------
 

@@ -7,7 +7,6 @@ means (the demo starts its close at the first and only reports the later ones).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import signal
 import socket
@@ -19,7 +18,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from asyncpin._tasks import current_loop
+from asyncpin._threads import call_soon
 
 __all__ = ["SHUTDOWN_SIGNALS", "SignalGuard"]
 
@@ -103,7 +102,7 @@ class SignalGuard:
                 await anyio.sleep_forever()
                 return
             woken = anyio.Event()
-            self._waker = _call_soon(woken.set)
+            self._waker = call_soon(woken.set)
             if len(self.received) > seen:
                 break
             reader = self._wakeup[0]
@@ -125,16 +124,3 @@ class SignalGuard:
 async def _set_when_readable(sock: socket.socket, event: anyio.Event) -> None:
     await anyio.wait_readable(sock)
     event.set()
-
-
-def _call_soon(fn: Callable[[], None]) -> Callable[[], None]:
-    """A callable that schedules ``fn`` on the running event loop, safe to call from a
-    signal handler (asyncio's ``call_soon_threadsafe``, trio's ``run_sync_soon``)."""
-    loop: Any = current_loop()  # asyncio's loop, or trio's token for this run
-    if isinstance(loop, asyncio.AbstractEventLoop):
-
-        def wake() -> None:
-            loop.call_soon_threadsafe(fn)
-
-        return wake
-    return lambda: loop.run_sync_soon(fn)

@@ -99,6 +99,10 @@ _LIBC.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
 _LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _LIBC.mlock.argtypes = _LIBC.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 PIN_THREADS = 0  # --pin-threads (0: the library's default)
+# --trace-calls: every pin call's and every prefault piece's span (start, end) is kept in
+# the run's JSON, to set the longest steps beside them.
+PREFAULTS: list[tuple[float, float]] = []
+TRACE_CALLS = False
 # Threads' native ids → what they are, for the kernel stacks (--stacks kernel), and the
 # backend calls each made: (name, start, end) on the bench's clock.
 ROLES: dict[int, str] = {}
@@ -423,6 +427,24 @@ class Capturer:
         ]
 
 
+def trace_prefaults() -> None:
+    """Keep each prefault piece's span in ``PREFAULTS`` (``--trace-calls``)."""
+    global TRACE_CALLS
+    from asyncpin.region import HostRegion
+
+    TRACE_CALLS = True
+    inner = HostRegion.prefault
+
+    def prefault(self: HostRegion, *args: Any, **kwargs: Any) -> Any:
+        t0 = Clock.now()
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            PREFAULTS.append((t0, Clock.now()))
+
+    HostRegion.prefault = prefault  # type: ignore[method-assign]
+
+
 class TimedBackend:
     """asyncpin's own backend, each call's duration kept, and its span (``calls``: name,
     start, end on the bench's clock). It is the inner backend to the manager in every
@@ -606,6 +628,13 @@ async def asyncpin_run(
         spans = [(a - run.marks["start"], b - a) for what, a, b in backend.calls if what == name]
         if spans:
             run.extra[f"{name}_at_s"], run.extra[f"{name}_s"] = spans[0]
+    if TRACE_CALLS:
+        t0 = run.marks["start"]
+        run.extra["pin_spans"] = [
+            [round(a - t0, 5), round(b - a, 5)] for what, a, b in backend.calls if what == "pin"
+        ]
+        run.extra["prefault_spans"] = [[round(a - t0, 5), round(b - a, 5)] for a, b in PREFAULTS]
+        PREFAULTS.clear()
     for name, calls in (("pin", backend.pins), ("unpin", backend.unpins)):
         if calls:
             ordered = sorted(calls)
@@ -965,6 +994,12 @@ def main() -> int:
     p.add_argument("--pin-threads", type=int, default=0, help="0: the library's default")
     p.add_argument("--trips", type=int, default=20, help="store/load round trips when ready")
     p.add_argument(
+        "--trace-calls",
+        action="store_true",
+        help="keep every pin call's and prefault piece's span in the JSON (pin_spans, "
+        "prefault_spans: start from the run's start, seconds)",
+    )
+    p.add_argument(
         "--gc-freeze",
         action="store_true",
         help="gc.collect() then gc.freeze() once the model's loop runs, before any recipe "
@@ -991,6 +1026,8 @@ def main() -> int:
     args.recipe = args.recipe or ["vllm", "seed", "asyncpin"]
     global PIN_THREADS
     PIN_THREADS = args.pin_threads
+    if args.trace_calls:
+        trace_prefaults()
     if args.stacks == "kernel" and not kernel_stacks_readable():
         print(
             "--stacks kernel: threads' kernel stacks cannot be read here (root only); "

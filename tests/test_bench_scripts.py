@@ -105,6 +105,7 @@ def test_startup_samples_what_it_is_asked_to(stacks: str, tmp_path: Path) -> Non
         "--stacks",
         stacks,
         "--gc-freeze",
+        "--trace-calls",
         "--json-out",
         str(out),
         cwd=tmp_path,
@@ -119,6 +120,10 @@ def test_startup_samples_what_it_is_asked_to(stacks: str, tmp_path: Path) -> Non
     )
     runs = next(iter(doc["sizes"].values()))["runs"]
     (run_doc,) = [r for r in runs if r["recipe"] == "asyncpin"]
+    # --trace-calls: each pin call and prefault piece, (start, seconds), in the run.
+    assert len(run_doc["pin_spans"]) == run_doc["chunks"]
+    assert len(run_doc["prefault_spans"]) == run_doc["chunks"]
+    assert all(start >= 0 and took >= 0 for start, took in run_doc["pin_spans"])
     for phase in ("entering", "pinning", "serving", "closing"):
         assert isinstance(run_doc[f"lag_{phase}_gc"], list)
         assert isinstance(run_doc[f"lag_{phase}_capture"], list)  # no GPU: no captures
