@@ -215,17 +215,23 @@ class PinScheduler:
                     beside()
             if then is not None:
                 await then()
+            pins_over = anyio.Event()
+            left = [self._pin_threads]
             async with anyio.create_task_group() as tg:
                 for _ in range(self._pin_threads):
-                    tg.start_soon(self._pin_worker)
+                    tg.start_soon(self._pin_worker, left, pins_over)
                 try:
                     async with anyio.create_task_group() as faulting:
                         for _ in range(self._prefault_threads):
                             faulting.start_soon(self._prefault_worker, prefault_limiter)
+                    self._end_pin_threads()  # once they have pinned what is queued
+                    # Waited for here, not only by the task group: a cancellation
+                    # (asyncio.run's Task.cancel() to the tasks left at its end, a trio
+                    # run's end) must stop the pin threads, which a shield keeps going.
+                    await pins_over.wait()
                 except BaseException:
                     self.stop()  # the pin threads end after the call under way
                     raise
-                self._end_pin_threads()  # once they have pinned what is queued
         except Exception as exc:
             # A bug here must surface through `pinned`, never cancel the host's task group
             # nor vanish.
@@ -284,10 +290,16 @@ class PinScheduler:
             if await anyio.to_thread.run_sync(self._prefault_one, chunk, limiter=limiter):
                 self._faulted.put(chunk)
 
-    async def _pin_worker(self) -> None:
+    async def _pin_worker(self, left: list[int], over: anyio.Event) -> None:
         """Pin chunks in a worker thread of its own until told to end, waited for to its
-        end (a close must not unpin while a pin call is under way)."""
-        await to_the_end(partial(self._pin_loop, call_soon(self._notify)))
+        end (a close must not unpin while a pin call is under way); ``over`` is set when
+        the last of the ``left`` pin workers has ended."""
+        try:
+            await to_the_end(partial(self._pin_loop, call_soon(self._notify)))
+        finally:
+            left[0] -= 1
+            if not left[0]:
+                over.set()
 
     def _notify(self) -> None:
         """On the loop: wake the transfers waiting for chunks."""
@@ -301,9 +313,20 @@ class PinScheduler:
             # (its notify() looks again at every chunk).
             if not self._notify_pending:
                 self._notify_pending = True
-                wake()
-            if self._pin_interval_s > 0:
-                self._stop.wait(self._pin_interval_s)
+                try:
+                    wake()
+                except RuntimeError:  # the loop is closed (trio: RunFinishedError)
+                    self.stop()  # nothing waits for the chunks any more
+                    return
+            self._pause()
+
+    def _pause(self) -> None:
+        """Wait ``pin_interval_s`` after a pin call, or less if stop() is called: in
+        slices of at most a second (an ``Event.wait`` over ``threading.TIMEOUT_MAX``
+        raises)."""
+        deadline = time.monotonic() + self._pin_interval_s
+        while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            self._stop.wait(min(left, 1.0))
 
     # -- thread side ------------------------------------------------------------------
 

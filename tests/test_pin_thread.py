@@ -14,7 +14,9 @@ import anyio
 import pytest
 
 from asyncpin import OffloadManager
+from asyncpin.gate import PauseGate
 from asyncpin.pinning import PinScheduler
+from asyncpin.region import HostRegion
 from asyncpin.testing import FakeBackend, is_mapped
 from tests.helpers import TIMEOUT_S, MadeRegions, wait_thread_event
 
@@ -89,3 +91,59 @@ async def test_a_close_waits_for_the_pin_call_and_stops_the_thread(
     assert len(backend.pinned_spans()) == 2
     assert backend.pinned_spans() == backend.unpinned_spans()
     assert not is_mapped(*made_regions.spans[0])
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_native_cancel_after_faulting_stops_the_pin_thread(
+    made_regions: MadeRegions,
+) -> None:
+    # asyncio.run gives Task.cancel() to every task left at its end. Once faulting was
+    # over, the cancel reached no pin thread: it pinned the whole queue, pausing
+    # pin_interval_s after each chunk, before the pipeline ended.
+    import asyncio
+
+    backend = FakeBackend(stall_pin_at=0)
+    mgr = OffloadManager(4 * CHUNK, chunk_bytes=CHUNK, backend=backend, pin_interval_s=3600)
+    with anyio.fail_after(TIMEOUT_S):
+        await mgr.__aenter__()
+        scheduler = _scheduler(mgr)
+        await wait_thread_event(backend.stalled)
+        await _all_faulted_in_and_queued(scheduler, 4)  # chunks 1-3, and the end
+        (task,) = [t for t in asyncio.all_tasks() if "PinScheduler.run" in t.get_name()]
+        task.cancel()
+        await anyio.wait_all_tasks_blocked()
+        backend.release()
+        await scheduler.done.wait()
+        assert scheduler.stopping and scheduler.chunks_pinned == 1
+        await mgr.aclose()
+    assert backend.pinned_spans() == backend.unpinned_spans()
+    assert not is_mapped(*made_regions.spans[0])
+
+
+def test_the_pause_after_a_pin_call_waits_in_slices() -> None:
+    # A pin_interval_s over threading.TIMEOUT_MAX (about 292 years) made Event.wait raise
+    # OverflowError in the pin thread: the pipeline crashed.
+    region = HostRegion.create(CHUNK)
+    try:
+        scheduler = PinScheduler(
+            region,
+            FakeBackend(),
+            region.chunks(CHUNK),
+            prefault_threads=1,
+            pin_threads=1,
+            pin_interval_s=1e10,
+            gate=PauseGate(),
+        )
+        asked: list[float] = []
+
+        class Stopping(threading.Event):
+            def wait(self, timeout: float | None = None) -> bool:
+                asked.append(-1.0 if timeout is None else timeout)
+                self.set()
+                return True
+
+        scheduler._stop = Stopping()
+        scheduler._pause()
+        assert asked == [1.0]
+    finally:
+        region.release()
