@@ -70,7 +70,9 @@ UnpinnedPolicy = Literal["wait", "pageable"]
 def default_prefault_threads() -> int:
     """Up to 8 fault threads, always leaving one core to the event loop: on a 2-core VM,
     2 threads faulting cold huge pages stalled the loop for ~0.5 s
-    (bench/RESULTS.md#pinning-host)."""
+    (bench/RESULTS.md#pinning-host). Fewer on the H200 (16 cores) only made start-up
+    longer: 64 GiB was ready in 5.4 s with 4 and 7.1 s with 2, against 3.1 s with 8
+    (run 146, bench/RESULTS.md#startup)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(8, (cores or 1) - 1))
 

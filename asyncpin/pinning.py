@@ -3,14 +3,20 @@
 Prefault workers are anyio tasks that hand each chunk's faulting to a worker thread
 through ``anyio.to_thread.run_sync`` with their own capacity limiter (so the
 application's default thread pool stays free); each chunk faulted in goes on a
-thread-safe queue. A pin worker is one worker thread that takes chunks from that queue
-and pins them one after the other, without going back to the event loop in between
-(each round trip cost about 0.27 ms per chunk on the H200 beside a model: 0.28 s of 4.1
-s at 64 GiB in 64 MiB chunks, 1.1 s of 5.8 s in 16 MiB ones; bench/RESULTS.md#startup);
-it tells the loop of its progress without waiting for it. Chunk state changes happen
-inside the thread itself, so a chunk whose pin returned is recorded as pinned whatever
-happens to the awaiting task: close then knows exactly what to unpin, and it waits for
-the pin thread to end (``to_the_end``), whatever cancellations come.
+thread-safe queue. Once the whole region is faulted in, a pin worker, one worker thread,
+takes the chunks from that queue and pins them one after the other, without going back
+to the event loop in between (each round trip cost about 0.27 ms per chunk on the H200
+beside a model: 0.28 s of 4.1 s at 64 GiB in 64 MiB chunks, 1.1 s of 5.8 s in 16 MiB
+ones; bench/RESULTS.md#startup); it tells the loop of its progress without waiting for
+it. Pinning waits for faulting because the two slow each other down: on the H200 at 64
+GiB, pin calls made while eight threads faulted took up to 16-20 ms (1.4-1.6 ms
+otherwise) and stretched a model's GPU step beside them 1.65-1.71x, and faulting took
+2.9-3.1 s against 1.7 s alone, so one after the other was ready as soon (3.2-3.5 s against
+3.3-3.7 s) with every step within 1.4x (``PIN_BESIDE_FAULTING``; bench/RESULTS.md#startup).
+Chunk state changes happen inside the threads themselves, so a chunk whose pin returned
+is recorded as pinned whatever happens to the awaiting task: close then knows exactly
+what to unpin, and it waits for the pin thread to end (``to_the_end``), whatever
+cancellations come.
 """
 
 from __future__ import annotations
@@ -80,6 +86,12 @@ async def _start_threads(count: int) -> None:
 
 
 _THREAD_START_S = 5.0
+
+# Pin each chunk as soon as it is faulted in, beside the faulting of the others, as the
+# pipeline did before session 122's measurements (module docstring); False: pin once the
+# whole region is faulted in. For bench/startup.py's --pin-beside-faulting, to measure
+# the one against the other.
+PIN_BESIDE_FAULTING = False
 
 
 class PinScheduler:
@@ -217,13 +229,17 @@ class PinScheduler:
                 await then()
             pins_over = anyio.Event()
             left = [self._pin_threads]
+            # The pin threads begin once faulting is over (PIN_BESIDE_FAULTING: at once).
+            early = self._pin_threads if PIN_BESIDE_FAULTING else 0
             async with anyio.create_task_group() as tg:
-                for _ in range(self._pin_threads):
+                for _ in range(early):
                     tg.start_soon(self._pin_worker, left, pins_over)
                 try:
                     async with anyio.create_task_group() as faulting:
                         for _ in range(self._prefault_threads):
                             faulting.start_soon(self._prefault_worker, prefault_limiter)
+                    for _ in range(self._pin_threads - early):
+                        tg.start_soon(self._pin_worker, left, pins_over)
                     self._end_pin_threads()  # once they have pinned what is queued
                     # Waited for here, not only by the task group: a cancellation
                     # (asyncio.run's Task.cancel() to the tasks left at its end, a trio

@@ -75,6 +75,7 @@ import torch
 # Appended, not prepended: the asyncpin under test is the one PYTHONPATH names first.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
+import asyncpin.pinning
 from asyncpin import KVLayout, OffloadManager, install_capture_gate
 from asyncpin.backends import registers_with_cuda
 from bench._common import (
@@ -99,6 +100,7 @@ _LIBC.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
 _LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _LIBC.mlock.argtypes = _LIBC.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 PIN_THREADS = 0  # --pin-threads (0: the library's default)
+PREFAULT_THREADS = 0  # --prefault-threads (0: the library's default)
 # --trace-calls: every pin call's and every prefault piece's span (start, end) is kept in
 # the run's JSON, to set the longest steps beside them.
 PREFAULTS: list[tuple[float, float]] = []
@@ -601,6 +603,8 @@ async def asyncpin_run(
         kwargs["engine"] = timed_engine(backend)
     if PIN_THREADS:
         kwargs["pin_threads"] = PIN_THREADS
+    if PREFAULT_THREADS:
+        kwargs["prefault_threads"] = PREFAULT_THREADS
     run.mark("start")
     mgr = OffloadManager.for_kv(layout, num_host_blocks, backend=backend, **kwargs)
     async with mgr:
@@ -850,6 +854,8 @@ async def bench(args: Any) -> dict[str, Any]:
         "step_alone_s": alone,
         "stacks": args.stacks,
         "chunk_bytes_asked": args.chunk_bytes,
+        "prefault_threads_asked": args.prefault_threads,
+        "pin_beside_faulting": args.pin_beside_faulting,
         "captures_recipe": args.captures,
         "gc_freeze": args.gc_freeze,
         "sizes": {},
@@ -992,6 +998,14 @@ def main() -> int:
     p.add_argument("--seed-repeats", type=int, default=1, help="the seed recipe is slow")
     p.add_argument("--chunk-bytes", type=parse_size, default=None, help="default: the library's")
     p.add_argument("--pin-threads", type=int, default=0, help="0: the library's default")
+    p.add_argument(
+        "--pin-beside-faulting",
+        action="store_true",
+        help="asyncpin pins each chunk as soon as it is faulted in, beside the faulting "
+        "of the rest, as before session 122 (asyncpin.pinning.PIN_BESIDE_FAULTING); by "
+        "default it pins once the whole region is faulted in",
+    )
+    p.add_argument("--prefault-threads", type=int, default=0, help="0: the library's default")
     p.add_argument("--trips", type=int, default=20, help="store/load round trips when ready")
     p.add_argument(
         "--trace-calls",
@@ -1024,8 +1038,10 @@ def main() -> int:
         args.cold = args.cold and 8 << 20
     args.size = args.size if args.size is not None else [16 * GiB]
     args.recipe = args.recipe or ["vllm", "seed", "asyncpin"]
-    global PIN_THREADS
-    PIN_THREADS = args.pin_threads
+    global PIN_THREADS, PREFAULT_THREADS
+    PIN_THREADS, PREFAULT_THREADS = args.pin_threads, args.prefault_threads
+    if args.pin_beside_faulting:
+        asyncpin.pinning.PIN_BESIDE_FAULTING = True
     if args.trace_calls:
         trace_prefaults()
     if args.stacks == "kernel" and not kernel_stacks_readable():

@@ -26,8 +26,9 @@ After every step the model checks:
 - after close, the locked bytes (VmLck) and the mappings are back to the baseline, and a
   shared region's file is gone.
 
-Pinning progress is a step, not a race: the pipeline may prefault (and so pin) chunk k
-only once the steps have allowed k + 1 chunks (a valve around ``HostRegion.prefault``).
+Pinning progress is a step, not a race: the pipeline may pin chunk k only once the steps
+have allowed k + 1 chunks, and fault chunks in only once they have allowed one (a valve
+before each pin call, outside the pause gate, and around ``HostRegion.prefault``).
 Some sessions also open the manager as on a kernel without ``MADV_POPULATE_WRITE``.
 
 CI runs a fixed set of 50 examples (derandomized: the same every run, well under a
@@ -78,7 +79,8 @@ from asyncpin import (
     TransferError,
     _sys,
 )
-from asyncpin.region import HostRegion
+from asyncpin.pinning import PinScheduler
+from asyncpin.region import Chunk, HostRegion
 from asyncpin.shm import SHM_DIR
 from asyncpin.testing import FakeBackend, is_mapped
 
@@ -266,9 +268,11 @@ STEPS: st.SearchStrategy[Step] = st.one_of(
 # -- harness ----------------------------------------------------------------------------
 
 
-class PrefaultValve:
-    """Lets the pipeline prefault chunk k (and so pin it) only once k + 1 chunks are
-    allowed: how far pinning got is decided by the steps, not by thread timing."""
+class PinValve:
+    """Lets the pipeline pin chunk k only once k + 1 chunks are allowed, and fault any
+    chunk in only once one is (the pipeline faults the whole region in before its first
+    pin call): how far pinning got is decided by the steps, not by thread timing, and
+    what a session does before it first lets pinning progress comes before any fault."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -279,10 +283,10 @@ class PrefaultValve:
             self.allowed = max(self.allowed, min(chunks, CHUNKS))
             self._cond.notify_all()
 
-    def wait_turn(self, index: int) -> None:
+    def wait_turn(self, index: int, what: str = "pin") -> None:
         with self._cond:
             if not self._cond.wait_for(lambda: index < self.allowed, timeout=EXAMPLE_TIMEOUT_S):
-                raise TimeoutError(f"the prefault of chunk {index} was never allowed")
+                raise TimeoutError(f"the {what} of chunk {index} was never allowed")
 
 
 class Holder(threading.Thread):
@@ -362,7 +366,7 @@ class Session:
         self.scribbles = 0
         self.opened = 0
         self.baseline_locked = _sys.vm_locked_bytes()
-        self.valve = PrefaultValve()
+        self.valve = PinValve()
         self.mgr: OffloadManager | None = None
         self._owners: anyio.abc.TaskGroup | None = None
         self._exit = anyio.Event()
@@ -643,7 +647,7 @@ class Session:
         self.opened += 1
         self._old_kernel[0] = step.old_kernel
         self.fake = FakeBackend(inner=HostBackend())
-        self.valve = PrefaultValve()
+        self.valve = PinValve()
         self.munmaps = []
         self.policy = step.policy
         name = None
@@ -796,7 +800,7 @@ class Session:
 
         await wait_in_thread(wait, f"pinning did not reach {target} chunks")
         if self._pin_failed():
-            # The pipeline stops at a failure; let the prefault that waits at the valve
+            # The pipeline stops at a failure; let the pin call that waits at the valve
             # end as it would have, then the failure must be reported.
             self.valve.allow(CHUNKS)
             try:
@@ -936,7 +940,7 @@ class Session:
             for _ in range(callers):
                 tg.start_soon(close_cancelled if step.mode == "cancelled" else close_once)
             await anyio.wait_all_tasks_blocked()
-            # Close has stopped the pipeline: let the prefault held at the valve end.
+            # Close has stopped the pipeline: let the pin call held at the valve end.
             self.valve.allow(CHUNKS)
             if self.holders:
                 self.counts.closes["while_paused"] += 1
@@ -969,9 +973,10 @@ class Session:
 
 @contextlib.contextmanager
 def patched_region(session_ref: list[Session | None], old_kernel: list[bool]) -> Iterator[None]:
-    """Route prefaults through the current session's valve, record every munmap, and
+    """Route prefaults and pin calls through the current session's valve, record every munmap, and
     make madvise act as on a kernel without MADV_POPULATE_WRITE when asked to."""
     real_prefault = HostRegion.prefault
+    real_pin_one = PinScheduler._pin_one
     real_madvise = _sys.libc_madvise
     real_munmap = _sys.libc_munmap
 
@@ -981,8 +986,12 @@ def patched_region(session_ref: list[Session | None], old_kernel: list[bool]) ->
         return current
 
     def prefault(region: HostRegion, offset: int, nbytes: int, *args: Any) -> bool:
-        session().valve.wait_turn(offset // PAGE)
+        session().valve.wait_turn(0, "faulting-in")
         return real_prefault(region, offset, nbytes, *args)
+
+    def pin_one(scheduler: PinScheduler, chunk: Chunk) -> None:
+        session().valve.wait_turn(chunk.index)
+        real_pin_one(scheduler, chunk)
 
     def madvise(address: int, nbytes: int, advice: int) -> None:
         if advice == _sys.MADV_POPULATE_WRITE and old_kernel[0]:
@@ -998,6 +1007,7 @@ def patched_region(session_ref: list[Session | None], old_kernel: list[bool]) ->
 
     with (
         mock.patch.object(HostRegion, "prefault", prefault),
+        mock.patch.object(PinScheduler, "_pin_one", pin_one),
         mock.patch.object(_sys, "libc_madvise", madvise),
         mock.patch.object(_sys, "libc_munmap", munmap),
     ):
