@@ -67,10 +67,11 @@ class PinnedSignal(Outcome):
 
 
 async def _start_threads(count: int) -> None:
-    """Have ``count`` worker threads in the pool before the pipeline starts, so that it
-    starts none while it runs: starting a thread maps its stack, which waits for the
-    process's memory-map lock, and faulting and pinning hold that lock nearly all the
-    time (an event loop that started a thread meanwhile stalled 25 ms on the H200).
+    """Have ``count`` worker threads in the pool before faulting (and again before
+    pinning), so that none starts while either runs: starting a thread maps its stack,
+    which waits for the process's memory-map lock, and faulting and pinning hold that
+    lock nearly all the time (an event loop that started a thread meanwhile stalled 25
+    ms on the H200).
     The threads meet at a barrier, so each call gets a thread of its own; they go back
     to the pool idle, where the pipeline's calls find them."""
     barrier = threading.Barrier(count)
@@ -213,9 +214,11 @@ class PinScheduler:
         self._log.info("pin.started", chunks=len(self.chunks), chunk_bytes=self._chunk_bytes)
         try:
             prefault_limiter = anyio.CapacityLimiter(self._prefault_threads)
+            # The pin threads begin once faulting is over (PIN_BESIDE_FAULTING: at once).
+            early = self._pin_threads if PIN_BESIDE_FAULTING else 0
             try:
                 extra = 0 if beside is None else 1
-                await _start_threads(self._prefault_threads + self._pin_threads + extra)
+                await _start_threads(self._prefault_threads + early + extra)
                 # Waited for to its end: what beside() starts must not overlap it, even
                 # when a native Task.cancel() ends the wait.
                 await to_the_end(self._warm_up)
@@ -229,8 +232,6 @@ class PinScheduler:
                 await then()
             pins_over = anyio.Event()
             left = [self._pin_threads]
-            # The pin threads begin once faulting is over (PIN_BESIDE_FAULTING: at once).
-            early = self._pin_threads if PIN_BESIDE_FAULTING else 0
             async with anyio.create_task_group() as tg:
                 for _ in range(early):
                     tg.start_soon(self._pin_worker, left, pins_over)
@@ -238,6 +239,11 @@ class PinScheduler:
                     async with anyio.create_task_group() as faulting:
                         for _ in range(self._prefault_threads):
                             faulting.start_soon(self._prefault_worker, prefault_limiter)
+                    if not early and not self._stop.is_set():
+                        # Started now, when nothing faults or pins: threads started
+                        # with the faulting ones idled through it, and the pool lets a
+                        # thread go after 10 s idle (anyio).
+                        await _start_threads(self._pin_threads)
                     for _ in range(self._pin_threads - early):
                         tg.start_soon(self._pin_worker, left, pins_over)
                     self._end_pin_threads()  # once they have pinned what is queued

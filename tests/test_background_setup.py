@@ -236,23 +236,37 @@ async def test_a_close_while_the_engine_prepares_waits_for_it(
 def test_the_pipeline_starts_its_threads_before_it_faults(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # No thread starts while chunks are faulted in or pinned: before faulting, or
+    # between the last chunk faulted in and the first pin call.
     # A fresh asyncio loop: its worker-thread pool starts empty (trio's is process-wide,
     # and earlier tests leave idle threads in it).
     started: list[str] = []
-    faulting = threading.Event()
+    faulting, pinning_began = threading.Event(), threading.Event()
+    faulted, counting = [0], threading.Lock()
     start = threading.Thread.start
     loop_thread = threading.get_ident()
 
+    def phase() -> str:
+        if pinning_began.is_set():
+            return "pinning"
+        if faulting.is_set():
+            return "faulting" if faulted[0] < 64 else "between"
+        return "before"
+
     def record_start(self: threading.Thread) -> None:
         if threading.get_ident() == loop_thread:  # a stray start elsewhere is not ours
-            started.append("after" if faulting.is_set() else "before")
+            started.append(phase())
         start(self)
 
     prefault = HostRegion.prefault
 
     def mark(self: HostRegion, offset: int, nbytes: int, *args: Any) -> bool:
         faulting.set()
-        return prefault(self, offset, nbytes, *args)
+        try:
+            return prefault(self, offset, nbytes, *args)
+        finally:
+            with counting:
+                faulted[0] += 1
 
     monkeypatch.setattr(threading.Thread, "start", record_start)
     monkeypatch.setattr(HostRegion, "prefault", mark)
@@ -261,17 +275,17 @@ def test_the_pipeline_starts_its_threads_before_it_faults(
         with anyio.fail_after(TIMEOUT_S):
             mgr = OffloadManager(
                 64 * 4096,
-                backend=FakeBackend(),
+                backend=FakeBackend(before_pin=lambda *_: pinning_began.set()),
                 chunk_bytes=4096,
                 prefault_threads=2,
-                pin_threads=2,
+                pin_threads=3,
             )
             async with mgr:
                 await mgr.pinned
 
     anyio.run(main, backend="asyncio")
-    assert faulting.is_set() and started.count("before") >= 4
-    assert "after" not in started, started
+    assert faulting.is_set() and pinning_began.is_set() and started.count("before") >= 2
+    assert "faulting" not in started and "pinning" not in started, started
 
 
 def test_no_thread_starts_while_the_engine_prepares(monkeypatch: pytest.MonkeyPatch) -> None:

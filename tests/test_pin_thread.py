@@ -109,6 +109,54 @@ async def test_pinning_begins_once_the_whole_region_is_faulted_in(
     assert not is_mapped(*made_regions.spans[0])
 
 
+@pytest.mark.parametrize("beside", [False, True], ids=["after-faulting", "beside-faulting"])
+async def test_the_pin_threads_are_started_before_pinning_begins(
+    made_regions: MadeRegions, monkeypatch: pytest.MonkeyPatch, beside: bool
+) -> None:
+    # Threads are started where nothing faults or pins (a thread's start waits for the
+    # memory-map lock they hold). Pin threads started with the faulting ones idled
+    # through it, and the pool lets a thread go after 10 s idle: a pipeline that pins
+    # once faulting is over starts its pin threads then, at a barrier, before any pin.
+    monkeypatch.setattr(pinning, "PIN_BESIDE_FAULTING", beside)
+    events: list[tuple[str, int]] = []
+    start_threads = pinning._start_threads
+    prefault = HostRegion.prefault
+
+    async def recorded_start(count: int) -> None:
+        events.append(("start", count))
+        await start_threads(count)
+
+    def recorded_prefault(
+        region: HostRegion, offset: int, nbytes: int, stop: threading.Event | None = None
+    ) -> bool:
+        events.append(("fault", offset // CHUNK))
+        return prefault(region, offset, nbytes, stop)
+
+    def before_pin(n: int, address: int, nbytes: int) -> None:
+        events.append(("pin", n))
+
+    monkeypatch.setattr(pinning, "_start_threads", recorded_start)
+    monkeypatch.setattr(HostRegion, "prefault", recorded_prefault)
+    backend = FakeBackend(before_pin=before_pin)
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager(
+            4 * CHUNK, chunk_bytes=CHUNK, backend=backend, prefault_threads=1, pin_threads=2
+        ) as mgr:
+            await mgr.pinned
+    kinds = [kind for kind, _ in events]
+    starts = [count for kind, count in events if kind == "start"]
+    if beside:
+        assert kinds.index("fault") > kinds.index("start") == 0
+        assert starts == [1 + 2]  # the faulting thread and both pin threads
+    else:
+        last_fault = len(kinds) - 1 - kinds[::-1].index("fault")
+        assert kinds[last_fault + 1] == "start" and kinds.index("pin") == last_fault + 2
+        assert starts == [1, 2]
+    assert kinds.count("pin") == 4
+    assert sorted(backend.pinned_spans()) == sorted(backend.unpinned_spans())
+    assert not is_mapped(*made_regions.spans[0])
+
+
 @pytest.mark.parametrize("cancel", [False, True], ids=["close", "native-cancel-then-close"])
 async def test_a_close_waits_for_the_pin_call_and_stops_the_thread(
     made_regions: MadeRegions, anyio_backend: str, cancel: bool
