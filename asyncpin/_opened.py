@@ -282,6 +282,7 @@ class Opened:
                 chunks_total=len(scheduler.chunks),
                 chunks_pinned=scheduler.chunks_pinned,
                 pinned_bytes=scheduler.pinned_bytes,
+                faulted_bytes=scheduler.faulted_bytes,
                 slowest_pin_seconds=scheduler.slowest_pin_seconds,
                 unpin_seconds=scheduler.unpin_seconds,
             )

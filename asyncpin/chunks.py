@@ -44,6 +44,8 @@ class ChunkTable:
         self._lock = threading.Lock()
         self.pinned_bytes = 0
         self.chunks_pinned = 0
+        #: Bytes of the chunks faulted in so far, pinned ones included.
+        self.faulted_bytes = 0
         #: The pipeline's first failure; set once.
         self.error: PinError | None = None
         self._stopped = False
@@ -52,11 +54,14 @@ class ChunkTable:
     # -- written by the pipeline --------------------------------------------------------
 
     def mark(self, index: int, state: ChunkState) -> None:
-        """Record a chunk's new state (any thread); pinned bytes follow PINNED in and out."""
+        """Record a chunk's new state (any thread); pinned bytes follow PINNED in and out,
+        faulted bytes a chunk's first step out of PENDING to PREFAULTED or PINNED."""
         nbytes = self.chunks[index].nbytes
         with self._lock:
             was = self._states[index]
             self._states[index] = state
+            if was is ChunkState.PENDING and state in (ChunkState.PREFAULTED, ChunkState.PINNED):
+                self.faulted_bytes += nbytes
             if state is ChunkState.PINNED and was is not ChunkState.PINNED:
                 self.pinned_bytes += nbytes
                 self.chunks_pinned += 1

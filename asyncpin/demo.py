@@ -77,7 +77,8 @@ async def _pin_and_close(
             while not mgr.pinned.is_set():
                 with anyio.move_on_after(_REFRESH_S):
                     await mgr.pinned
-                update(mgr.stats().pinned_bytes)
+                stats = mgr.stats()
+                update(stats.faulted_bytes, stats.pinned_bytes)
         await mgr.pinned  # raises the PinError if pinning failed
         await mgr.measure_hugepages()
         outcome.at_pinned = mgr.stats()
@@ -199,20 +200,21 @@ class _Report:
 
 
 class _ProgressContext:
-    """Progress over pinned bytes: a rich progress bar, or without rich a plain line at
-    every tenth of the buffer; a no-op for JSON output."""
+    """Progress over faulted-in bytes, then pinned ones (pinning begins once the whole
+    buffer is faulted in): two rich progress bars, or without rich a plain line at every
+    tenth of the buffer of each; a no-op for JSON output."""
 
     def __init__(self, console: Any, nbytes: int, *, enabled: bool) -> None:
         self._console = console
         self._nbytes = nbytes
         self._enabled = enabled
         self._progress: Any = None
-        self._task: Any = None
-        self._tenths = 0
+        self._tasks: list[Any] = []
+        self._tenths = {"faulting in": 0, "pinning": 0}
 
-    def __enter__(self) -> Callable[[int], None]:
+    def __enter__(self) -> Callable[[int, int], None]:
         if not self._enabled:
-            return lambda _done: None
+            return lambda _faulted, _pinned: None
         if self._console is None:
             return self._plain
         from rich.progress import (
@@ -225,7 +227,7 @@ class _ProgressContext:
         )
 
         self._progress = Progress(
-            TextColumn("pinning"),
+            TextColumn("{task.description:<11}"),
             BarColumn(),
             DownloadColumn(binary_units=True),
             TransferSpeedColumn(),
@@ -233,21 +235,24 @@ class _ProgressContext:
             console=self._console,
         )
         self._progress.start()
-        self._task = self._progress.add_task("pinning", total=self._nbytes)
+        self._tasks = [self._progress.add_task(what, total=self._nbytes) for what in self._tenths]
         return self._update
 
-    def _update(self, done: int) -> None:
-        self._progress.update(self._task, completed=done)
+    def _update(self, faulted: int, pinned: int) -> None:
+        for task, done in zip(self._tasks, (faulted, pinned), strict=True):
+            self._progress.update(task, completed=done)
 
-    def _plain(self, done: int) -> None:
-        tenths = done * 10 // self._nbytes if self._nbytes else 10
-        if tenths > self._tenths:
-            self._tenths = tenths
-            print(
-                f"pinning: {tenths * 10}% ({format_bytes(done)} of {format_bytes(self._nbytes)})",
-                file=stdout,
-                flush=True,
-            )
+    def _plain(self, faulted: int, pinned: int) -> None:
+        for what, done in zip(self._tenths, (faulted, pinned), strict=True):
+            tenths = done * 10 // self._nbytes if self._nbytes else 10
+            if tenths > self._tenths[what]:
+                self._tenths[what] = tenths
+                print(
+                    f"{what}: {tenths * 10}% "
+                    f"({format_bytes(done)} of {format_bytes(self._nbytes)})",
+                    file=stdout,
+                    flush=True,
+                )
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:

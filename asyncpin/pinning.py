@@ -159,6 +159,10 @@ class PinScheduler:
         return self.table.pinned_bytes
 
     @property
+    def faulted_bytes(self) -> int:
+        return self.table.faulted_bytes
+
+    @property
     def chunks_pinned(self) -> int:
         return self.table.chunks_pinned
 

@@ -46,6 +46,9 @@ class ManagerStats:
     #: Bytes still mapped after close because tensors viewing them are alive (0 once the
     #: last view is gone): never pinned, never handed to anything else.
     mapped_by_views_bytes: int = 0
+    #: Bytes faulted in so far, pinned ones included: pinning begins once every chunk
+    #: is faulted in, so ``pinned_bytes`` stays 0 until this reaches ``nbytes``.
+    faulted_bytes: int = 0
 
     @property
     def pinned_fraction(self) -> float:

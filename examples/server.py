@@ -11,8 +11,9 @@ and a clean shut-down exits 0. The server answers at once while the buffer pins 
 background:
 
 - ``GET /healthz/live``: 200 as soon as the process serves requests.
-- ``GET /healthz/ready``: 503 while pinning (``status``, ``pinned_bytes``, ``nbytes``,
-  ``fraction``), 200 once every chunk is pinned, 500 with the error if pinning failed.
+- ``GET /healthz/ready``: 503 while pinning (``status``, ``faulted_bytes``,
+  ``pinned_bytes``, ``nbytes``, ``fraction`` of it pinned), 200 once every chunk is
+  pinned, 500 with the error if pinning failed.
 - ``GET /metrics``: Prometheus text (``asyncpin.metrics.OffloadCollector``; with a remote
   tier, ``asyncpin.metrics.TierCollector`` too: ``asyncpin_tier_*`` and
   ``asyncpin_tier_remote_*``).
@@ -228,6 +229,7 @@ def create_app(
         stats = manager.stats()
         body: dict[str, object] = {
             "status": "pinning",
+            "faulted_bytes": stats.faulted_bytes,
             "pinned_bytes": stats.pinned_bytes,
             "nbytes": stats.nbytes,
             "fraction": stats.pinned_fraction,

@@ -308,7 +308,9 @@ class TestWithoutRich:
         lines = proc.stdout.splitlines()
         assert lines[0].startswith("asyncpin demo: backend host, 16.00 MiB anonymous"), lines
         assert lines[1].startswith("entered in "), lines
-        assert "pinning: 100% (16.00 MiB of 16.00 MiB)" in lines
+        # Faulting in comes first, whole, then pinning.
+        faulted = lines.index("faulting in: 100% (16.00 MiB of 16.00 MiB)")
+        assert lines.index("pinning: 100% (16.00 MiB of 16.00 MiB)") > faulted, lines
         table = lines[lines.index("asyncpin demo") :]
         assert table[1].split() == ["figure", "value"], table
         rows = {line[:28].strip(): line[28:].strip() for line in table[3:]}

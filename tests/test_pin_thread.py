@@ -15,10 +15,11 @@ import anyio
 import pytest
 
 from asyncpin import OffloadManager, pinning
-from asyncpin.chunks import ChunkState
+from asyncpin.chunks import ChunkState, ChunkTable
+from asyncpin.errors import PinError
 from asyncpin.gate import PauseGate
 from asyncpin.pinning import PinScheduler
-from asyncpin.region import HostRegion
+from asyncpin.region import Chunk, HostRegion
 from asyncpin.testing import FakeBackend, is_mapped
 from tests.helpers import TIMEOUT_S, MadeRegions, wait_thread_event
 
@@ -61,6 +62,40 @@ async def test_chunks_are_pinned_while_the_loop_is_held(made_regions: MadeRegion
             assert mgr.stats().chunks_pinned == 4
     assert not is_mapped(*made_regions.spans[0])
     assert backend.pinned_spans() == backend.unpinned_spans()
+
+
+async def test_stats_count_the_bytes_faulted_in_before_any_is_pinned(
+    made_regions: MadeRegions,
+) -> None:
+    # With pinning after faulting, pinned_bytes stays 0 until every chunk is faulted in;
+    # faulted_bytes shows the progress meanwhile (the demo's first bar, a probe's).
+    backend = FakeBackend(stall_pin_at=0)
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager(4 * CHUNK, chunk_bytes=CHUNK, backend=backend) as mgr:
+            before = mgr.stats()
+            await wait_thread_event(backend.stalled)
+            stalled = mgr.stats()
+            backend.release()
+            await mgr.pinned
+            pinned = mgr.stats()
+    assert before.pinned_bytes == 0 and before.faulted_bytes <= 4 * CHUNK
+    assert (stalled.faulted_bytes, stalled.pinned_bytes) == (4 * CHUNK, 0)
+    assert (pinned.faulted_bytes, pinned.pinned_bytes) == (4 * CHUNK, 4 * CHUNK)
+    closed = mgr.stats()
+    assert (closed.faulted_bytes, closed.pinned_bytes) == (4 * CHUNK, 0)
+    assert not is_mapped(*made_regions.spans[0])
+
+
+def test_the_chunk_table_counts_each_chunk_faulted_in_once() -> None:
+    chunks = [Chunk(i, i * CHUNK, CHUNK) for i in range(3)]
+    table = ChunkTable(chunks)
+    table.mark(0, ChunkState.PREFAULTED)
+    table.mark(0, ChunkState.PINNED)
+    table.mark(0, ChunkState.UNPINNED)
+    table.mark(1, ChunkState.PINNED)  # pinned with no prefault of its own (old kernels)
+    table.fail(2, PinError(2, 2 * CHUNK, CHUNK, None, None, "prefault: no memory"))
+    assert table.faulted_bytes == 2 * CHUNK
+    assert table.pinned_bytes == CHUNK
 
 
 @pytest.mark.parametrize("beside", [False, True], ids=["after-faulting", "beside-faulting"])

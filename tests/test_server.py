@@ -99,6 +99,7 @@ class TestProbes:
                     assert pinning.status_code == 503
                     assert pinning.json() == {
                         "status": "pinning",
+                        "faulted_bytes": NBYTES,  # pinning begins once all is faulted in
                         "pinned_bytes": CHUNK,
                         "nbytes": NBYTES,
                         "fraction": 1 / NCHUNKS,
@@ -110,6 +111,7 @@ class TestProbes:
                 assert ready.status_code == 200
                 assert ready.json() == {
                     "status": "ready",
+                    "faulted_bytes": NBYTES,
                     "pinned_bytes": NBYTES,
                     "nbytes": NBYTES,
                     "fraction": 1.0,
