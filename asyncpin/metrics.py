@@ -27,7 +27,8 @@ an observer the collector adds to the manager (``add_transfer_observer``): they 
 transfers that finish after the collector was made.
 
 Gauges: ``asyncpin_region_bytes`` and ``asyncpin_pinned_bytes`` (size of the region,
-bytes pinned now), ``asyncpin_region_chunks``, ``asyncpin_pinned_chunks``,
+bytes pinned now), ``asyncpin_faulted_bytes`` (bytes faulted in: pinning begins once
+all are), ``asyncpin_region_chunks``, ``asyncpin_pinned_chunks``,
 ``asyncpin_leaked_chunks`` (left mapped because their unpin failed), ``asyncpin_pinned``
 (1 while every chunk is pinned), ``asyncpin_pin_failed`` (1 if pinning or the engine's
 set-up failed: the manager will not be ready),
@@ -185,6 +186,11 @@ class OffloadCollector(Collector):
         yield info
         yield gauge("region_bytes", "Size of the host region in bytes", s.nbytes)
         yield gauge("pinned_bytes", "Bytes of the region pinned now", s.pinned_bytes)
+        yield gauge(
+            "faulted_bytes",
+            "Bytes of the region faulted in (pinning begins once all are)",
+            s.faulted_bytes,
+        )
         yield gauge("region_chunks", "Chunks of the region", s.chunks_total)
         yield gauge("pinned_chunks", "Chunks pinned now", s.chunks_pinned)
         yield gauge(

@@ -59,6 +59,7 @@ class TestPinningMetrics:
         registry.register(OffloadCollector(mgr))
         before = scrape(registry)
         assert value(before, "asyncpin_pinned_bytes") == 0
+        assert value(before, "asyncpin_faulted_bytes") == 0
         assert value(before, "asyncpin_pinned") == 0
         assert before["asyncpin_time_to_pinned_seconds"] == []
         with anyio.fail_after(TIMEOUT_S):
@@ -70,6 +71,8 @@ class TestPinningMetrics:
                     assert value(during, "asyncpin_region_chunks") == NCHUNKS
                     assert value(during, "asyncpin_pinned_chunks") == 3
                     assert value(during, "asyncpin_pinned_bytes") == 3 * CHUNK
+                    # Every chunk was faulted in before the first pin call.
+                    assert value(during, "asyncpin_faulted_bytes") == CHUNK * NCHUNKS
                     assert value(during, "asyncpin_pinned") == 0
                     assert value(during, "asyncpin_enter_seconds") >= 0
                     assert during["asyncpin_time_to_pinned_seconds"] == []
