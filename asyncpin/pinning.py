@@ -89,8 +89,8 @@ async def _start_threads(count: int) -> None:
 _THREAD_START_S = 5.0
 
 # Pin each chunk as soon as it is faulted in, beside the faulting of the others, as the
-# pipeline did before session 122's measurements (module docstring); False: pin once the
-# whole region is faulted in. For bench/startup.py's --pin-beside-faulting, to measure
+# pipeline did before runs 148-149 (module docstring); False: pin once the whole region
+# is faulted in. For bench/startup.py's --pin-beside-faulting, to measure
 # the one against the other.
 PIN_BESIDE_FAULTING = False
 

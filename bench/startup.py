@@ -1002,7 +1002,7 @@ def main() -> int:
         "--pin-beside-faulting",
         action="store_true",
         help="asyncpin pins each chunk as soon as it is faulted in, beside the faulting "
-        "of the rest, as before session 122 (asyncpin.pinning.PIN_BESIDE_FAULTING); by "
+        "of the rest, as before runs 148-149 (asyncpin.pinning.PIN_BESIDE_FAULTING); by "
         "default it pins once the whole region is faulted in",
     )
     p.add_argument("--prefault-threads", type=int, default=0, help="0: the library's default")

@@ -6,7 +6,7 @@ take the freed memory back).
 
     python3 bench/probes/pin_order_host.py [--gib 2] [--runs 6] [--pause 6]
 
-Prints (ready s, close s) per run. Figures: bench/RESULTS.md#startup (session 122).
+Prints (ready s, close s) per run. Figures: bench/RESULTS.md#startup (runs 146-149).
 """
 
 from __future__ import annotations
