@@ -47,7 +47,8 @@ class ManagerStats:
     #: last view is gone): never pinned, never handed to anything else.
     mapped_by_views_bytes: int = 0
     #: Bytes faulted in so far, pinned ones included: pinning begins once every chunk
-    #: is faulted in, so ``pinned_bytes`` stays 0 until this reaches ``nbytes``.
+    #: is faulted in, so ``pinned_bytes`` stays 0 until this reaches ``nbytes``. A count
+    #: of the pipeline's progress: after close it keeps its value (the region is gone).
     faulted_bytes: int = 0
 
     @property
