@@ -7,9 +7,12 @@ Layout like Llama-3.1-8B: 32 layers, K and V apart (64 arrays), blocks of 16 tok
 heads x 128 bf16 = 32 KiB per array, 2 MiB per host block; random data, random block ids.
 For each transfer size (``--sizes``, default 32 MiB and 256 MiB: 16 and 128 blocks),
 the wall time from ``mgr.store()`` / ``mgr.load()`` until the awaiting coroutine resumes,
-median of ``--repeats``; GB/s count bytes moved (1e9 bytes a second). "Both" is a store and
-a load of that size each, queued together, both awaited: bytes of both over the time.
-Everything through the manager's defaults (``method="auto"``).
+median of ``--repeats`` (the block ids are drawn before the clock starts); GB/s count
+bytes moved (1e9 bytes a second). "Both" is a store and a load of that size each, queued
+together, both awaited: bytes of both over the time. "In flight": ``--in-flight`` stores
+(or loads) of that size queued at once, then all awaited, as an engine queues a step's
+transfers without waiting for the last: the host's queuing and wake-ups overlap the
+device's copies. Through the manager's default method (``--method`` to force one).
 
 Peer in the same run: contiguous DMA of the same number of bytes between a device buffer
 and a buffer from torch's pinned allocator (``copy_(non_blocking=True)`` and a
@@ -60,13 +63,17 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-async def timed(step: Callable[[], Awaitable[None]], repeats: int) -> float:
-    """Median wall time of ``step`` after a warm-up, the device idle before each."""
+async def timed(
+    step: Callable[[Any], Awaitable[None]], repeats: int, pick: Callable[[], Any] = lambda: None
+) -> float:
+    """Median wall time of ``step(pick())`` after a warm-up, the device idle before each;
+    ``pick`` (the block ids) runs before the clock starts."""
     times = []
     for i in range(WARMUP + repeats):
+        args = pick()
         _sync()
         t0 = time.perf_counter()
-        await step()
+        await step(args)
         if i >= WARMUP:
             times.append(time.perf_counter() - t0)
     return median(times)
@@ -95,7 +102,7 @@ class Contiguous:
         else:
             self.dev[k].copy_(self.host[k], non_blocking=True)
 
-    async def run(self, directions: tuple[str, ...]) -> None:
+    async def run(self, directions: tuple[str, ...], _: object = None) -> None:
         if not self.streams:  # no GPU: memcpy in a worker thread, as a copy would be
             for k, d in enumerate(directions):
                 await anyio.to_thread.run_sync(self._copy, d, k)
@@ -111,7 +118,9 @@ async def bench_sizes(args: Any, device: str) -> dict[str, Any]:
     rng = random.Random(args.seed)
     block_bytes = 2 * args.layers * (32 << 10)
     counts = [max(1, size // block_bytes) for size in args.sizes]
-    blocks = 4 * max(counts)  # room for a store and a load of the largest size, disjoint
+    k = args.in_flight
+    # Room for k stores and k loads of the largest size, disjoint.
+    blocks = 2 * max(k, 2) * max(counts)
     layout = KVLayout.from_tensors(kv_tensors(device, blocks, args.layers))
     out: dict[str, Any] = {"host_block_bytes": layout.host_block_bytes, "sizes": {}}
     async with OffloadManager.for_kv(layout, blocks) as mgr:
@@ -119,42 +128,64 @@ async def bench_sizes(args: Any, device: str) -> dict[str, Any]:
         for n in counts:
             nbytes = n * layout.host_block_bytes
 
-            def pick(n: int = n) -> tuple[list[int], list[int], list[int], list[int]]:
-                gpu, cpu = rng.sample(range(blocks), 2 * n), rng.sample(range(blocks), 2 * n)
-                return gpu[:n], cpu[:n], gpu[n:], cpu[n:]
+            def pick(n: int = n, k: int = 1) -> list[list[int]]:
+                """Block ids for ``k`` stores and ``k`` loads of ``n`` blocks: device and
+                host blocks distinct across all of them."""
+                gpu = rng.sample(range(blocks), 2 * k * n)
+                cpu = rng.sample(range(blocks), 2 * k * n)
+                return [lst[j * n : (j + 1) * n] for j in range(2 * k) for lst in (gpu, cpu)]
 
-            async def store() -> None:
-                g, c, _, _ = pick()
-                await mgr.store(g, c)
+            async def store(ids: list[list[int]]) -> None:
+                await mgr.store(ids[0], ids[1], method=args.method)
 
-            async def load() -> None:
-                g, c, _, _ = pick()
-                await mgr.load(c, g)
+            async def load(ids: list[list[int]]) -> None:
+                await mgr.load(ids[1], ids[0], method=args.method)
 
-            async def both() -> None:
-                g1, c1, g2, c2 = pick()
-                s, ld = mgr.store(g1, c1), mgr.load(c2, g2)
+            async def both(ids: list[list[int]]) -> None:
+                s = mgr.store(ids[0], ids[1], method=args.method)
+                ld = mgr.load(ids[3], ids[2], method=args.method)
                 await s
                 await ld
 
+            def in_flight(direction: str) -> Callable[[list[list[int]]], Awaitable[None]]:
+                async def run(ids: list[list[int]]) -> None:
+                    pairs = zip(ids[0 : 2 * k : 2], ids[1 : 2 * k : 2], strict=True)
+                    queued = [
+                        mgr.store(g, c, method=args.method)
+                        if direction == "store"
+                        else mgr.load(c, g, method=args.method)
+                        for g, c in pairs
+                    ]
+                    for transfer in queued:
+                        await transfer
+
+                return run
+
             peer = Contiguous(nbytes, device)
-            row: dict[str, Any] = {"blocks": n, "bytes": nbytes}
-            for key, step, moved in (
-                ("store", store, nbytes),
-                ("load", load, nbytes),
-                ("both", both, 2 * nbytes),
-                ("contiguous_store", partial(peer.run, ("store",)), nbytes),
-                ("contiguous_load", partial(peer.run, ("load",)), nbytes),
-                ("contiguous_both", partial(peer.run, ("store", "load")), 2 * nbytes),
+            row: dict[str, Any] = {"blocks": n, "bytes": nbytes, "in_flight": args.in_flight}
+            picks = partial(pick, n, 1)
+            for key, step, moved, picker in (
+                ("store", store, nbytes, picks),
+                ("load", load, nbytes, picks),
+                ("both", both, 2 * nbytes, picks),
+                ("store_in_flight", in_flight("store"), k * nbytes, partial(pick, n, k)),
+                ("load_in_flight", in_flight("load"), k * nbytes, partial(pick, n, k)),
+                ("contiguous_store", partial(peer.run, ("store",)), nbytes, lambda: None),
+                ("contiguous_load", partial(peer.run, ("load",)), nbytes, lambda: None),
+                ("contiguous_both", partial(peer.run, ("store", "load")), 2 * nbytes, lambda: None),
             ):
-                row[f"{key}_gbps"] = moved / await timed(step, args.repeats) / GB
+                row[f"{key}_gbps"] = moved / await timed(step, args.repeats, picker) / GB
             for key in ("store", "load", "both"):
                 row[f"{key}_over_contiguous"] = row[f"{key}_gbps"] / row[f"contiguous_{key}_gbps"]
+            for key in ("store", "load"):
+                row[f"{key}_in_flight_over_contiguous"] = (
+                    row[f"{key}_in_flight_gbps"] / row[f"contiguous_{key}_gbps"]
+                )
             del peer
             out["sizes"][format_bytes(nbytes).replace(" ", "")] = row
             print(
                 f"  {format_bytes(nbytes)}: "
-                + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k.endswith("_gbps")),
+                + ", ".join(f"{key} {v:.1f}" for key, v in row.items() if key.endswith("_gbps")),
                 file=sys.stderr,
             )
     return out
@@ -235,12 +266,14 @@ def print_table(doc: dict[str, Any]) -> None:
     if "transfers" in doc:
         print(
             f"{'per transfer':>12} {'store':>6} {'load':>6} {'both':>6}   "
+            f"{'in flight: store':>16} {'load':>6}   "
             f"{'contiguous: store':>17} {'load':>6} {'both':>6}   GB/s"
         )
         for size, r in doc["transfers"]["sizes"].items():
             print(
                 f"{size:>12} {r['store_gbps']:>6.1f} {r['load_gbps']:>6.1f} "
-                f"{r['both_gbps']:>6.1f}   {r['contiguous_store_gbps']:>17.1f} "
+                f"{r['both_gbps']:>6.1f}   {r['store_in_flight_gbps']:>16.1f} "
+                f"{r['load_in_flight_gbps']:>6.1f}   {r['contiguous_store_gbps']:>17.1f} "
                 f"{r['contiguous_load_gbps']:>6.1f} {r['contiguous_both_gbps']:>6.1f}"
             )
     if "await" in doc:
@@ -266,11 +299,13 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=300)
     p.add_argument("--only", default="sizes,latency", help="sizes, latency or both")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--method", default="auto", help="auto, batch, pack or kernel")
+    p.add_argument("--in-flight", type=int, default=4, help="transfers queued at once")
     args = p.parse_args()
     if args.quick:
         # The same block counts at 1/32 of the bytes: 2 arrays, so that the host region
         # stays within a small RLIMIT_MEMLOCK (4 MiB).
-        args.layers, args.repeats, args.samples = 1, 3, 20
+        args.layers, args.repeats, args.samples, args.in_flight = 1, 3, 20, 2
         args.sizes = [s // 32 for s in args.sizes]
     quiet_logs()
     doc = anyio.run(bench, args)

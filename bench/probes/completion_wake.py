@@ -1,0 +1,140 @@
+"""How long after the device finishes a piece of work does the host learn of it, by each
+way of waiting (issue 17: a 32 MiB store resumed about 0.4 ms after the device began, and
+the trace of run 79 put about 0.1 ms between a pack store's last DMA and its waiter
+thread's wake-up).
+
+    python3 bench/probes/completion_wake.py [--samples N] [--json-out F]
+
+For each tail (the device work the wait is for):
+
+- ``kernel``: a kernel that spins about 300 us (``torch.cuda._sleep``);
+- ``dma``: a 16 MiB device-to-host copy into pinned memory (about 300 us);
+- ``dma_join``: the same copy, then another stream waits for it and the event is recorded
+  there (how a pack store's end is recorded: its DMA streams joined into the kernel
+  stream);
+
+and each way of waiting, the wall time from queuing the work until the waiter has
+returned, p50/p99 (the work's own time is common to all, so differences are wake-ups):
+
+- ``spin``: this thread queries a plain event until it completes (the floor; burns a
+  core);
+- ``block``: this thread waits on a blocking-sync event;
+- ``thread_loop``: a thread waits on a blocking-sync event, then wakes the idle asyncio
+  loop with ``call_soon_threadsafe``; timed until the awaiting coroutine resumes (how
+  transfers complete today).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.append(str(Path(__file__).resolve().parents[2]))
+
+from bench._common import percentiles
+
+_CYCLES_PER_US = 1980  # H200 SM clock, about; the kernel's length needs no precision
+
+
+def _tails(side: torch.cuda.Stream, other: torch.cuda.Stream) -> dict[str, Callable[[], Any]]:
+    """Each tail queues its work and returns the stream its end is recorded on."""
+    dev = torch.randint(0, 255, (16 << 20,), dtype=torch.uint8, device="cuda")
+    host = torch.empty(16 << 20, dtype=torch.uint8).pin_memory()
+    moved = torch.cuda.Event()
+
+    def kernel() -> torch.cuda.Stream:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(300 * _CYCLES_PER_US)
+        return side
+
+    def dma() -> torch.cuda.Stream:
+        with torch.cuda.stream(side):
+            host.copy_(dev, non_blocking=True)
+        return side
+
+    def dma_join() -> torch.cuda.Stream:
+        dma()
+        moved.record(side)
+        other.wait_event(moved)
+        return other
+
+    return {"kernel": kernel, "dma": dma, "dma_join": dma_join}
+
+
+async def _measure(samples: int) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    side, other = torch.cuda.Stream(), torch.cuda.Stream()
+    items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def waiter() -> None:
+        while (item := items.get()) is not None:
+            event, fut = item
+            event.synchronize()
+            loop.call_soon_threadsafe(fut.set_result, None)
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    out: dict[str, Any] = {}
+    for name, tail in _tails(side, other).items():
+        times: dict[str, list[float]] = {"spin": [], "block": [], "thread_loop": []}
+        for i in range(samples + 5):
+            for how in times:
+                torch.cuda.synchronize()
+                await asyncio.sleep(0.0005)  # every thread asleep, as between transfers
+                event = torch.cuda.Event(blocking=how != "spin")
+                t0 = time.perf_counter()
+                event.record(tail())
+                if how == "spin":
+                    while not event.query():
+                        pass
+                elif how == "block":
+                    event.synchronize()
+                else:
+                    fut = loop.create_future()
+                    items.put((event, fut))
+                    await fut
+                if i >= 5:
+                    times[how].append(time.perf_counter() - t0)
+        row = {how: percentiles(t) for how, t in times.items()}
+        out[name] = {
+            **{f"{how}_p50_us": p["p50"] * 1e6 for how, p in row.items()},
+            **{f"{how}_p99_us": p["p99"] * 1e6 for how, p in row.items()},
+        }
+        print(name, json.dumps(out[name]), file=sys.stderr)
+    items.put(None)
+    thread.join()
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--samples", type=int, default=300)
+    p.add_argument("--json-out")
+    args = p.parse_args()
+    doc = {"tails": asyncio.run(_measure(args.samples))}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(doc, indent=1))
+    print(f"{'tail':9} {'spin p50':>9} {'block':>7} {'thread+loop':>12}   (us; p99 in brackets)")
+    for name, r in doc["tails"].items():
+        print(
+            f"{name:9} "
+            + " ".join(
+                f"{r[f'{h}_p50_us']:7.0f} [{r[f'{h}_p99_us']:4.0f}]"
+                for h in ("spin", "block", "thread_loop")
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
