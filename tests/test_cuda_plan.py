@@ -24,7 +24,7 @@ from asyncpin.engines.cuda.plan import (
     is_run,
     is_small,
     kernel_misalignment,
-    pack_slots,
+    pack_piece_counts,
 )
 
 BASE, STAGING, DEVICE = 1 << 40, 1 << 44, 1 << 46
@@ -252,7 +252,9 @@ class TestPackPieces:
             return real(cpu_ids, staging, arrays)
 
         plan.piece_dmas = counted  # type: ignore[method-assign]
-        pieces = plan.pack_pieces(list(range(10)), per_piece=4, halves=(STAGING, 0), first_half=0)
+        pieces = plan.pack_pieces(
+            list(range(10)), counts=[4, 4, 2], halves=(STAGING, 0), first_half=0
+        )
         assert isinstance(pieces, Iterator) and calls == []
         first = next(pieces)
         assert calls == [4] and isinstance(first, PackPiece)
@@ -265,9 +267,13 @@ class TestPackPieces:
         plan = _plan(block, chunk)
         cpu = _ids(rng, rng.randint(1, 60), 64, repeats=bool(seed % 2))
         per_piece, first = rng.randint(1, 9), seed % 2
+        counts = pack_piece_counts(
+            len(cpu), per_piece, rng.randint(1, 12), small_last=bool(seed % 3)
+        )
         halves = (STAGING, STAGING + (1 << 30))
-        pieces = list(plan.pack_pieces(cpu, per_piece=per_piece, halves=halves, first_half=first))
-        assert [p.lo for p in pieces] == list(range(0, len(cpu), per_piece))
+        pieces = list(plan.pack_pieces(cpu, counts=counts, halves=halves, first_half=first))
+        assert [p.count for p in pieces] == counts
+        assert [p.lo for p in pieces] == [sum(counts[:i]) for i in range(len(counts))]
         assert sum(p.count for p in pieces) == len(cpu)
         assert [p.half for p in pieces] == [(first + i) % 2 for i in range(len(pieces))]
         for p in pieces:
@@ -283,9 +289,33 @@ class TestPackPieces:
                 for t in range(block)
             }
 
-    def test_slots_repeat_per_piece(self) -> None:
-        assert pack_slots(7, 3) == [0, 1, 2, 0, 1, 2, 0]
-        assert pack_slots(3, 5) == [0, 1, 2]
+    @pytest.mark.parametrize(
+        ("n", "per_piece", "edge", "store", "load"),
+        [
+            (128, 64, 8, [8, 64, 56], [56, 64, 8]),  # 256 MiB of 2 MiB blocks
+            (16, 64, 8, [8, 8], [8, 8]),
+            (8, 64, 8, [8], [8]),
+            (3, 64, 8, [3], [3]),
+            (10, 4, 8, [4, 4, 2], [2, 4, 4]),  # the edge never exceeds a piece
+            (7, 3, 1, [1, 3, 3], [3, 3, 1]),
+            (0, 4, 2, [], []),
+        ],
+    )
+    def test_piece_counts(
+        self, n: int, per_piece: int, edge: int, store: list[int], load: list[int]
+    ) -> None:
+        assert pack_piece_counts(n, per_piece, edge, small_last=False) == store
+        assert pack_piece_counts(n, per_piece, edge, small_last=True) == load
+
+    @pytest.mark.parametrize("seed", range(20))
+    def test_piece_counts_cover_the_job(self, seed: int) -> None:
+        rng = random.Random(seed)
+        n, per_piece, edge = rng.randint(1, 500), rng.randint(1, 70), rng.randint(1, 90)
+        for small_last in (False, True):
+            counts = pack_piece_counts(n, per_piece, edge, small_last=small_last)
+            assert sum(counts) == n and all(0 < c <= per_piece for c in counts)
+            edge_piece = counts[-1] if small_last else counts[0]
+            assert edge_piece <= edge
 
 
 # -- the choice of method -----------------------------------------------------------------
@@ -464,26 +494,39 @@ def test_the_kernel_is_refused_for_an_array_of_a_size_not_in_words() -> None:
     assert verdict is not None and "array 1's block size" in verdict
 
 
-class TestRunsOnDevice:
-    """A job whose two id lists are runs of consecutive ids (one block always is) takes
-    its device ids as slices of the table 0, 1, 2, ... (no upload); any other job None."""
+class TestIdsOnDevice:
+    """The device ids a copy kernel reads: a list that is a run of consecutive ids (one
+    block always is) is a slice of the table 0, 1, 2, ... (no upload); the others are
+    uploaded, back to back, into the lane's buffer in one call on its kernel stream."""
 
     @staticmethod
-    def _methods() -> Any:
+    def _methods() -> tuple[Any, Any, list[tuple[int, list[int], int]]]:
         from asyncpin.engines.cuda.methods import CopyMethods
 
-        copies = CopyMethods(object(), _plan(64, 1 << 20), None)  # type: ignore[arg-type]
+        uploads: list[tuple[int, list[int], int]] = []
+        rt = SimpleNamespace(
+            batch=object(),
+            upload=lambda dst, src, stream: uploads.append((dst, src.tolist(), stream)),
+        )
+        copies = CopyMethods(rt, _plan(64, 1 << 20), None)  # type: ignore[arg-type]
         copies.to_device(torch.device("cpu"), 100)
-        return copies
+        lane = SimpleNamespace(
+            ids=torch.empty(200, dtype=torch.int64), kernel=SimpleNamespace(cuda_stream=77)
+        )
+        return copies, lane, uploads
 
     @pytest.mark.parametrize(
-        ("first", "second"),
-        [([7], [0]), ([99], [99]), ([3, 4], [10, 11]), (list(range(5, 37)), list(range(60, 92)))],
+        "lists",
+        [[[7], [0]], [[99], [99]], [[3, 4], [10, 11]], [list(range(5, 37)), list(range(60, 92))]],
     )
-    def test_runs_are_table_slices(self, first: list[int], second: list[int]) -> None:
-        runs = self._methods().runs_on_device(first, second)
-        assert runs is not None
-        assert runs[0].tolist() == first and runs[1].tolist() == second
+    def test_runs_are_table_slices(self, lists: list[list[int]]) -> None:
+        copies, lane, uploads = self._methods()
+        addresses = copies.ids_on_device(lane, lists)
+        table = copies._identity
+        for address, ids in zip(addresses, lists, strict=True):
+            at = (address - table.data_ptr()) // 8
+            assert table[at : at + len(ids)].tolist() == ids
+        assert uploads == []
 
     @pytest.mark.parametrize(
         ("first", "second"),
@@ -496,8 +539,26 @@ class TestRunsOnDevice:
             ([2, 1, 2], [5, 6, 7]),
         ],
     )
-    def test_anything_else_is_none(self, first: list[int], second: list[int]) -> None:
-        assert self._methods().runs_on_device(first, second) is None
+    def test_other_lists_are_uploaded_back_to_back(
+        self, first: list[int], second: list[int]
+    ) -> None:
+        copies, lane, uploads = self._methods()
+        addresses = copies.ids_on_device(lane, [first, second])
+        base = lane.ids.data_ptr()
+        sent = [ids for ids in (first, second) if not is_run(ids)]
+        assert uploads == [(base, [i for ids in sent for i in ids], 77)]
+        at = base
+        for address, ids in zip(addresses, (first, second), strict=True):
+            if is_run(ids):
+                assert address == copies._identity.data_ptr() + 8 * ids[0]
+            else:
+                assert address == at
+                at += 8 * len(ids)
+
+    def test_one_list(self) -> None:
+        copies, lane, uploads = self._methods()
+        assert copies.ids_on_device(lane, [[9, 2, 5]]) == [lane.ids.data_ptr()]
+        assert uploads == [(lane.ids.data_ptr(), [9, 2, 5], 77)]
 
 
 @pytest.mark.parametrize(
@@ -542,12 +603,13 @@ class TestLaunchArguments:
         plan = _plan(64 * 4, 1 << 20, arrays=4)
         copies = CopyMethods(object(), plan, Kernel())  # type: ignore[arg-type]
         copies.to_device(torch.device("cpu"), 16)
-        gpu, cpu = torch.tensor([3, 4, 5]), torch.tensor([7, 8, 9])
+        gpu, cpu = 0x7000_0000, 0x7100_0000  # the ids' device addresses
         stream = SimpleNamespace(cuda_stream=1234)
         copies.launch(
             stream,  # type: ignore[arg-type]
             gpu,
             cpu,
+            3,
             BASE + 4096,
             to_host=to_host,
             ctas=2,
@@ -562,8 +624,8 @@ class TestLaunchArguments:
         tables = copies._tables
         offset, stride = plan.span(range(1, 3)) if slot else (0, plan.host_stride)
         assert given == {
-            "gpu_ids": gpu.data_ptr(),
-            "cpu_ids": cpu.data_ptr(),
+            "gpu_ids": gpu,
+            "cpu_ids": cpu,
             "array_ptrs": tables[0].data_ptr(),
             "array_strides": tables[1].data_ptr(),
             "array_words": tables[2].data_ptr(),

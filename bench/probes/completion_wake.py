@@ -116,12 +116,66 @@ async def _measure(samples: int) -> dict[str, Any]:
     return out
 
 
+async def _early(samples: int, leads_us: list[int], total_us: int = 1000) -> dict[str, Any]:
+    """A kernel of ``total_us``, with a blocking-sync event ``lead`` us before its end:
+    waiting on that one first wakes the threads while the device still works, and the
+    wait for the end then starts from threads just awake."""
+    loop = asyncio.get_running_loop()
+    side = torch.cuda.Stream()
+    items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def waiter() -> None:
+        while (item := items.get()) is not None:
+            early, done, fut, nudge = item
+            if early is not None:
+                early.synchronize()
+                if nudge:
+                    loop.call_soon_threadsafe(lambda: None)
+            done.synchronize()
+            loop.call_soon_threadsafe(fut.set_result, None)
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    out: dict[str, Any] = {}
+    for lead in leads_us:
+        ways = ("plain", "early", "early_nudge")
+        times: dict[str, list[float]] = {w: [] for w in ways}
+        for i in range(samples + 5):
+            for way in ways:
+                torch.cuda.synchronize()
+                await asyncio.sleep(0.0005)
+                early = torch.cuda.Event(blocking=True) if way != "plain" else None
+                done = torch.cuda.Event(blocking=True)
+                t0 = time.perf_counter()
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep((total_us - lead) * _CYCLES_PER_US)
+                    if early is not None:
+                        early.record(side)
+                    torch.cuda._sleep(lead * _CYCLES_PER_US)
+                    done.record(side)
+                fut = loop.create_future()
+                items.put((early, done, fut, way == "early_nudge"))
+                await fut
+                if i >= 5:
+                    times[way].append(time.perf_counter() - t0)
+        out[f"lead_{lead}us"] = {
+            f"{w}_{q}_us": percentiles(t)[q] * 1e6 for w, t in times.items() for q in ("p50", "p99")
+        }
+        print(lead, json.dumps(out[f"lead_{lead}us"]), file=sys.stderr)
+    items.put(None)
+    thread.join()
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--samples", type=int, default=300)
     p.add_argument("--json-out")
     args = p.parse_args()
-    doc = {"tails": asyncio.run(_measure(args.samples))}
+    doc = {
+        "tails": asyncio.run(_measure(args.samples)),
+        "early": asyncio.run(_early(args.samples, [50, 100, 200, 400])),
+    }
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(doc, indent=1))
     print(f"{'tail':9} {'spin p50':>9} {'block':>7} {'thread+loop':>12}   (us; p99 in brackets)")
@@ -131,6 +185,15 @@ def main() -> int:
             + " ".join(
                 f"{r[f'{h}_p50_us']:7.0f} [{r[f'{h}_p99_us']:4.0f}]"
                 for h in ("spin", "block", "thread_loop")
+            )
+        )
+    print(f"{'1 ms kernel, early event':26} {'plain p50':>9} {'early':>7} {'early+nudge':>12}")
+    for name, r in doc["early"].items():
+        print(
+            f"{name:26} "
+            + " ".join(
+                f"{r[f'{w}_p50_us']:7.0f} [{r[f'{w}_p99_us']:4.0f}]"
+                for w in ("plain", "early", "early_nudge")
             )
         )
     return 0

@@ -67,7 +67,7 @@ def _instrument() -> None:
         (CudaTransferEngine, ["submit", "_enqueue"]),
         (
             CopyMethods,
-            ["batch", "pack", "uva_kernel", "ids_on_device", "runs_on_device", "launch", "start"],
+            ["batch", "pack", "uva_kernel", "ids_on_device", "launch", "start"],
         ),
         (AddressPlan, ["small_segments", "piece_dmas", "segments"]),
         (Runtime, ["copy_segments", "record", "wait", "upload"]),

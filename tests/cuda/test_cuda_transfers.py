@@ -72,6 +72,31 @@ class TestRoundTrips:
                 keep = [b for b in untouched if b not in changed_by_test]
                 assert torch.equal(array[keep], before[a][keep]), "load wrote outside its blocks"
 
+    @pytest.mark.parametrize("runs", [False, True])
+    @pytest.mark.parametrize("n", [1, 31, 32, 33, 288, 289, 700])
+    async def test_pack_pieces_of_every_size(self, n: int, runs: bool) -> None:
+        """Pack moves a job in pieces of 256 blocks here (128 MiB of staging, 512 KiB
+        blocks), the first of a store and the last of a load 32 (16 MiB); ids that are
+        runs of consecutive ids are read from the table on the device, not uploaded."""
+        async with kv_manager() as (mgr, layout):
+            gpu = list(range(100, 100 + n)) if runs else _ids(n, BLOCKS)
+            cpu = list(range(300 - n // 3, 300 - n // 3 + n)) if runs else _ids(n, HOST_BLOCKS)
+            with anyio.fail_after(60):
+                stored = mgr.store(gpu, cpu, method="pack")
+                await stored
+            assert stored.method == "pack"
+            _check_host(mgr, layout, gpu, cpu)
+            before = [a.clone() for a in layout.arrays]
+            dest = list(range(BLOCKS - n, BLOCKS)) if runs else _ids(n, BLOCKS)
+            with anyio.fail_after(60):
+                loaded = mgr.load(cpu, dest, method="pack")
+                await loaded
+            assert loaded.method == "pack"
+            untouched = sorted(set(range(BLOCKS)) - set(dest))
+            for a, array in enumerate(layout.arrays):
+                assert torch.equal(array[dest], before[a][gpu]), f"array {a} differs after load"
+                assert torch.equal(array[untouched], before[a][untouched])
+
     async def test_methods_at_once_both_directions(self) -> None:
         async with kv_manager() as (mgr, layout):
             cpu_a, cpu_b = _ids(400, HOST_BLOCKS // 2), _ids(400, HOST_BLOCKS // 2)

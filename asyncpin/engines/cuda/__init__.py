@@ -171,11 +171,8 @@ class CudaTransferEngine:
             if copies.kernel is None:
                 return
             for d, lane in self._lanes.items():
-                ids = lane.ids[:2].view(2, 1)
-                base = self._plan.host_base
-                copies.launch(
-                    lane.kernel, ids[0], ids[1], base, to_host=d == "store", ctas=1, count=0
-                )
+                ids, base = lane.ids.data_ptr(), self._plan.host_base
+                copies.launch(lane.kernel, ids, ids, 0, base, to_host=d == "store", ctas=1)
                 lane.kernel.synchronize()
 
     def record_ready(self) -> Any:

@@ -36,7 +36,7 @@ from asyncpin.engines.cuda.plan import (
     AddressPlan,
     is_run,
     is_small,
-    pack_slots,
+    pack_piece_counts,
 )
 from asyncpin.gate import outside_captures
 from asyncpin.transfers import TransferJob
@@ -47,6 +47,11 @@ __all__ = ["KERNEL_CTAS", "CopyMethods", "load_kernel", "on_device"]
 # model (BENCH.md: 8 CTAs reach 50 GB/s D2H, H2D needs 32).
 KERNEL_CTAS = {"store": 16, "load": 32}
 _PACK_CTAS = 132
+# The most bytes of the pack piece no DMA overlaps (a store's first, a load's last):
+# 8 blocks of 2 MiB take the kernel about 22 us, and their DMAs 0.3 ms, time enough to
+# queue the next piece (plan.pack_piece_counts).
+EDGE_PIECE_BYTES = 16 << 20
+_ID_BYTES = 8  # the ids the copy kernel reads are int64
 
 
 def load_kernel(rt: Runtime) -> CopyKernel | None:
@@ -192,55 +197,56 @@ class CopyMethods:
 
     # -- the copy kernel ----------------------------------------------------------------
 
-    def runs_on_device(
-        self, first: list[int], second: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Both id lists as device int64 arrays without an upload when each is a run of
-        consecutive ids (a job of one block always is): slices of the table of ids
-        0, 1, 2, ... made at prepare. None otherwise."""
-        if not (is_run(first) and is_run(second)):
-            return None
-        n, a, b, table = len(first), first[0], second[0], self._identity
-        return table[a : a + n], table[b : b + n]
+    def ids_on_device(self, lane: Lane, lists: Sequence[list[int]]) -> list[int]:
+        """The device address of an int64 array holding each of ``lists`` (at most two,
+        none empty: empty jobs finish in ``submit``). A list that is a run of consecutive
+        ids (a job of one block always is) is a slice of the table of ids 0, 1, 2, ...
+        made at prepare: no upload. The others go into the lane's device buffer, copied
+        on its kernel stream, on which every reader of the buffer runs.
 
-    def ids_on_device(self, lane: Lane, first: list[int], second: list[int]) -> torch.Tensor:
-        """``[2, n]`` int64 ids in the lane's device buffer, copied on its kernel stream, on
-        which every reader of the buffer runs (n > 0: empty jobs finish in ``submit``).
-
-        The ids go up from pageable memory in one batched call that reads them before it
+        They go up from pageable memory in one batched call that reads them before it
         returns: no pinned buffer, so no call that a CUDA graph capture on another thread
         forbids (torch's pinned-memory cache queries events to reuse its blocks)."""
-        n = len(first)
-        ids = lane.ids[: 2 * n].view(2, n)
-        flat = array.array("q", [*first, *second])
+        table = self._identity.data_ptr()
+        addresses: list[int] = []
+        flat = array.array("q")
+        for ids in lists:
+            if is_run(ids):
+                addresses.append(table + ids[0] * _ID_BYTES)
+            else:
+                addresses.append(lane.ids.data_ptr() + len(flat) * _ID_BYTES)
+                flat.extend(ids)
+        if not flat:
+            return addresses
         if self._rt.batch is not None:
-            self._rt.upload(ids.data_ptr(), flat, lane.kernel.cuda_stream)
-            return ids
+            self._rt.upload(lane.ids.data_ptr(), flat, lane.kernel.cuda_stream)
+            return addresses
         # No batched call (CUDA < 12.8): through torch's pinned-memory cache, which a
         # capture under way on another thread forbids: held back until it ends.
         with outside_captures():
             pinned = torch.frombuffer(flat, dtype=torch.int64).pin_memory()
         with torch.cuda.stream(lane.kernel):
-            return ids.copy_(pinned.view(2, n), non_blocking=True)
+            lane.ids[: len(flat)].copy_(pinned, non_blocking=True)
+        return addresses
 
     def launch(
         self,
         stream: torch.cuda.Stream,
-        gpu_ids: torch.Tensor,
-        cpu_ids: torch.Tensor,
+        gpu_ids: int,
+        cpu_ids: int,
+        count: int,
         host_base: int,
         *,
         to_host: bool,
         ctas: int,
         arrays: range | None = None,
         slot: bool = False,
-        count: int = -1,
     ) -> None:
-        """The copy kernel on ``stream``: block ``gpu_ids[i]`` of each array
-        of ``arrays`` (all by default) to or from host block ``cpu_ids[i]`` of the region
-        at ``host_base``, or (``slot``) to or from slot ``cpu_ids[i]`` of a staging buffer
-        at ``host_base`` whose slots hold the arrays' span; ``count`` blocks (all of the
-        ids by default)."""
+        """The copy kernel on ``stream`` over ``count`` blocks: block ``gpu_ids[i]`` of
+        each array of ``arrays`` (all by default) to or from host block ``cpu_ids[i]`` of
+        the region at ``host_base``, or (``slot``) to or from slot ``cpu_ids[i]`` of a
+        staging buffer at ``host_base`` whose slots hold the arrays' span. ``gpu_ids``
+        and ``cpu_ids`` are device addresses of int64 arrays (``ids_on_device``)."""
         plan = self._plan
         assert self.kernel is not None
         arrays = plan.all_arrays if arrays is None else arrays
@@ -249,11 +255,11 @@ class CopyMethods:
             host_base -= offset  # the span's first array lies at the slot's start
         else:
             stride = plan.host_stride
-        n_segments = (gpu_ids.shape[0] if count < 0 else count) * len(arrays)
+        n_segments = count * len(arrays)
         grid = max(min(ctas, n_segments), 1)
         args = (
-            gpu_ids.data_ptr(),
-            cpu_ids.data_ptr(),
+            gpu_ids,
+            cpu_ids,
             *self._table_ptrs,
             host_base,
             stride,
@@ -266,13 +272,12 @@ class CopyMethods:
     def uva_kernel(self, job: TransferJob, lane: Lane) -> torch.cuda.Stream:
         direction = job.transfer.direction
         self.start(lane.kernel, job, lane)
-        runs = self.runs_on_device(job.gpu_ids, job.cpu_ids)
-        if runs is None:
-            ids = self.ids_on_device(lane, job.gpu_ids, job.cpu_ids)
-            runs = ids[0], ids[1]
+        gpu, cpu = self.ids_on_device(lane, [job.gpu_ids, job.cpu_ids])
         self.launch(
             lane.kernel,
-            *runs,
+            gpu,
+            cpu,
+            job.transfer.num_blocks,
             self._plan.host_base,
             to_host=direction == "store",
             ctas=KERNEL_CTAS[direction],
@@ -293,29 +298,27 @@ class CopyMethods:
         buffer = lane.staging
         assert buffer is not None  # allocated when the job was submitted (_staged)
         arrays = job.arrays or plan.all_arrays
-        per_piece = buffer.shape[1] // plan.span(arrays)[1]
+        span = plan.span(arrays)[1]
+        per_piece = buffer.shape[1] // span
         n = job.transfer.num_blocks
         if not store:
             # A load's DMAs read host blocks that work on the caller's stream may still
             # write; the staging halves order them after earlier loads.
             for stream in dma:
                 self.after_caller(stream, job, lane)
-        # The slot of block i: i % per_piece.
-        ids = self.ids_on_device(lane, job.gpu_ids, pack_slots(n, per_piece))
+        [gpu] = self.ids_on_device(lane, [job.gpu_ids])
+        # Block j of a piece goes to or from staging slot j: the ids 0, 1, 2, ...
+        slots = self._identity.data_ptr()
+        counts = pack_piece_counts(
+            n, per_piece, max(EDGE_PIECE_BYTES // span, 1), small_last=not store
+        )
         pieces = plan.pack_pieces(
-            job.cpu_ids,
-            per_piece=per_piece,
-            halves=lane.halves,
-            first_half=lane.half,
-            arrays=arrays,
+            job.cpu_ids, counts=counts, halves=lane.halves, first_half=lane.half, arrays=arrays
         )
         for piece in pieces:
             lane.half = piece.half ^ 1
             staging, free = lane.halves[piece.half], lane.free[piece.half]
-            piece_ids = (
-                ids[0, piece.lo : piece.lo + per_piece],
-                ids[1, piece.lo : piece.lo + per_piece],
-            )
+            piece_ids = (gpu + piece.lo * _ID_BYTES, slots, piece.count)
             ranges = piece.dmas
             job.keep.append(ranges)
             if store:

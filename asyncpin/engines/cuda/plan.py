@@ -34,7 +34,7 @@ __all__ = [
     "choose_method",
     "is_small",
     "kernel_misalignment",
-    "pack_slots",
+    "pack_piece_counts",
 ]
 
 # Bytes the copy kernel moves per load and store (int64 words): see kernel_misalignment.
@@ -153,10 +153,17 @@ def choose_method(
     return method
 
 
-def pack_slots(n: int, per_piece: int) -> list[int]:
-    """The staging slot of each of a pack job's ``n`` blocks: block i is slot
-    ``i % per_piece`` of its piece."""
-    return list(range(per_piece)) * (n // per_piece) + list(range(n % per_piece))
+def pack_piece_counts(n: int, per_piece: int, edge: int, *, small_last: bool) -> list[int]:
+    """How many blocks each piece of a pack job of ``n`` blocks moves: ``per_piece`` at
+    most, and the first piece (a store's) or the last (``small_last``: a load's) at most
+    ``edge``. The copy kernel's part of that piece is the one no DMA overlaps: a store's
+    DMAs begin once the first piece is gathered, a load ends once the last piece is
+    scattered (H200: 158 us for 64 blocks of 2 MiB, against 5 ms for the job's DMAs)."""
+    if n <= 0:
+        return []
+    first = min(n, edge, per_piece)
+    counts = [first] + [min(per_piece, n - lo) for lo in range(first, n, per_piece)]
+    return counts[::-1] if small_last else counts
 
 
 @dataclass(frozen=True, eq=False)
@@ -355,17 +362,20 @@ class AddressPlan:
         self,
         cpu_ids: list[int],
         *,
-        per_piece: int,
+        counts: Sequence[int],
         halves: Sequence[int],
         first_half: int,
         arrays: range | None = None,
     ) -> Iterator[PackPiece]:
-        """A pack job's pieces in order, through the two staging halves (addresses
-        ``halves``) in turn from ``first_half``. Lazy: a piece's DMAs are planned in plain
-        Python when it is asked for, just before it is queued, so the first piece goes
-        out at once and no torch op hands the GIL to another submitting thread."""
-        half = first_half
-        for lo in range(0, len(cpu_ids), per_piece):
-            piece = cpu_ids[lo : lo + per_piece]
-            yield PackPiece(lo, len(piece), half, self.piece_dmas(piece, halves[half], arrays))
+        """A pack job's pieces in order, ``counts[i]`` blocks in piece i (they sum to
+        ``len(cpu_ids)``: ``pack_piece_counts``), through the two staging halves
+        (addresses ``halves``) in turn from ``first_half``. Lazy: a piece's DMAs are
+        planned in plain Python when it is asked for, just before it is queued, so the
+        first piece goes out at once and no torch op hands the GIL to another submitting
+        thread."""
+        half, lo = first_half, 0
+        for count in counts:
+            piece = cpu_ids[lo : lo + count]
+            yield PackPiece(lo, count, half, self.piece_dmas(piece, halves[half], arrays))
             half ^= 1
+            lo += count
