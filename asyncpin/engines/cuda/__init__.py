@@ -62,11 +62,10 @@ class CudaTransferEngine:
     thread_stores = True
     # Stores of at most this many bytes (and LOOP_STORE_MAX_BLOCKS blocks, by pack or
     # kernel) are queued on the event loop, as loads are: the hop to the submitter thread
-    # costs about what their queuing does (H200, 32 KiB blocks, 32 MiB stores: resumed
-    # after 1.36 ms queued on the loop against 1.62 ms through the thread in one run,
-    # 1.04 against 1.07 in another; 256 MiB ones alike, about 6 ms, while queuing held the
-    # loop 1.1 ms: bench/RESULTS.md#transfer-time).
-    loop_store_max_bytes = 64 << 20
+    # costs more than their queuing does (H200, 32 KiB blocks, 256 MiB stores resumed
+    # 0.17-0.25 ms sooner queued on the loop in runs 82, 150 and 151, while queuing held
+    # the loop 0.6-0.9 ms, as a load of that size does: bench/RESULTS.md#transfer-time).
+    loop_store_max_bytes = 256 << 20
     # Made in a worker thread while the manager enters (``setup.loop`` is the loop): on
     # the loop, this module's import and the address plan over every array were what
     # the loop ran during a 64-100 GiB entry beside a model's threads, which lagged it
