@@ -289,6 +289,12 @@ class TestPackPieces:
                 for t in range(block)
             }
 
+    @pytest.mark.parametrize("counts", [[2, 4], [2], [3, 0], [4, -1], []])
+    def test_counts_that_do_not_split_the_job_are_refused(self, counts: list[int]) -> None:
+        # A piece's count is how many ids the copy kernel reads: never past the job's.
+        with pytest.raises(ValueError, match="do not split 3 blocks"):
+            _plan(64, 256).pack_pieces([1, 2, 3], counts=counts, halves=(STAGING, 0), first_half=0)
+
     @pytest.mark.parametrize(
         ("n", "per_piece", "edge", "store", "load"),
         [

@@ -261,7 +261,7 @@ async def test_stores_up_to_the_loop_limits_are_queued_on_the_loop(
     # kernel (whose queuing does not grow with the segments); not batch ones beyond 64
     # segments: one DMA each, queued in the driver at about 0.8 us apiece.
     with _submitting(monkeypatch) as (engine, threaded, on_loop):
-        engine.loop_store_max_bytes = 4096 * 128
+        engine.loop_store_max_bytes = 4096 * 1000  # the block limit decides here
         assert engine._queued_on_loop(_job("store", blocks=4), "batch")  # 64 segments
         assert not engine._queued_on_loop(_job("store", blocks=5), "batch")
         for method in ("pack", "kernel"):

@@ -64,7 +64,7 @@ class CudaTransferEngine:
     # kernel) are queued on the event loop, as loads are: the hop to the submitter thread
     # costs more than their queuing does (H200, 32 KiB blocks, 256 MiB stores resumed
     # 0.17-0.25 ms sooner queued on the loop in runs 82, 150 and 151, while queuing held
-    # the loop 0.6-0.9 ms, as a load of that size does: bench/RESULTS.md#transfer-time).
+    # the loop 0.6-0.9 ms, as a load of that size does: bench/RESULTS.md#transfers-123).
     loop_store_max_bytes = 256 << 20
     # Made in a worker thread while the manager enters (``setup.loop`` is the loop): on
     # the loop, this module's import and the address plan over every array were what
@@ -157,6 +157,10 @@ class CudaTransferEngine:
         with outside_captures(), torch.cuda.device(self._index):
             self._load()
             if copies.kernel is not None:  # the copy kernel's tables
+                # The ids 0, 1, 2, ... up to the most blocks a job can move: a store's
+                # host ids and a load's device ids are distinct (the router refuses
+                # duplicate destinations), so a job's id runs and a pack piece's staging
+                # slots are slices of this table.
                 copies.to_device(self._device, max(layout.num_blocks, self._num_host_blocks))
             for d in ("store", "load"):
                 lane = Lane(rt, self._device, max_ids[d] if copies.kernel else 0, self._streams)
