@@ -22,6 +22,11 @@ returned, p50/p99 (the work's own time is common to all, so differences are wake
 - ``thread_loop``: a thread waits on a blocking-sync event, then wakes the idle asyncio
   loop with ``call_soon_threadsafe``; timed until the awaiting coroutine resumes (how
   transfers complete today).
+
+Then, with 1 ms of device work, a blocking-sync event recorded 50-400 us before its end
+(``early``): the waiter sleeps on that one first, so that it is awake when the work
+ends, and (``early_nudge``) also wakes the loop with an empty callback then; against
+``plain``, the waiter sleeping on the end alone.
 """
 
 from __future__ import annotations
@@ -167,6 +172,15 @@ async def _early(samples: int, leads_us: list[int], total_us: int = 1000) -> dic
     return out
 
 
+def _table(rows: dict[str, Any], title: str, ways: tuple[str, ...]) -> None:
+    print(f"{title:26} " + " ".join(f"{w + ' p50':>14}" for w in ways) + "   (us; p99 in brackets)")
+    for name, r in rows.items():
+        print(
+            f"{name:26} "
+            + " ".join(f"{r[f'{w}_p50_us']:7.0f} [{r[f'{w}_p99_us']:4.0f}]" for w in ways)
+        )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--samples", type=int, default=300)
@@ -178,24 +192,8 @@ def main() -> int:
     }
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(doc, indent=1))
-    print(f"{'tail':9} {'spin p50':>9} {'block':>7} {'thread+loop':>12}   (us; p99 in brackets)")
-    for name, r in doc["tails"].items():
-        print(
-            f"{name:9} "
-            + " ".join(
-                f"{r[f'{h}_p50_us']:7.0f} [{r[f'{h}_p99_us']:4.0f}]"
-                for h in ("spin", "block", "thread_loop")
-            )
-        )
-    print(f"{'1 ms kernel, early event':26} {'plain p50':>9} {'early':>7} {'early+nudge':>12}")
-    for name, r in doc["early"].items():
-        print(
-            f"{name:26} "
-            + " ".join(
-                f"{r[f'{w}_p50_us']:7.0f} [{r[f'{w}_p99_us']:4.0f}]"
-                for w in ("plain", "early", "early_nudge")
-            )
-        )
+    _table(doc["tails"], "tail", ("spin", "block", "thread_loop"))
+    _table(doc["early"], "1 ms kernel, early event", ("plain", "early", "early_nudge"))
     return 0
 
 
