@@ -71,6 +71,8 @@ def test_quick_figures_have_the_keys_the_gpu_pass_reads(tmp_path: Path) -> None:
     row = next(iter(doc["transfers"]["sizes"].values()))
     for key in ("store", "load", "both"):
         assert row[f"{key}_gbps"] > 0 and row[f"contiguous_{key}_gbps"] > 0
+    for key in ("store", "load"):  # several transfers queued at once
+        assert row[f"{key}_in_flight_gbps"] > 0 and row["in_flight"] == 2
     assert doc["await"]["p50_us"] <= doc["await"]["p99_us"]
     assert doc["machine"]["asyncpin_path"] == str(ROOT / "asyncpin")
 
