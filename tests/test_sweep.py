@@ -244,7 +244,7 @@ async def test_stores_stay_on_the_loop_while_threads_starve(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with _submitting(monkeypatch) as (engine, threaded, on_loop):
-        engine.loop_store_max_bytes = 0  # as a store over 256 MiB
+        engine.loop_store_max_bytes = 0  # as a store over 64 MiB
         large = _job("store", blocks=10)  # 160 segments: the submitter's, normally
         engine.submit(large, pageable=False)
         assert threaded == [large] and on_loop == []
@@ -257,7 +257,7 @@ async def test_stores_stay_on_the_loop_while_threads_starve(
 async def test_stores_up_to_the_loop_limits_are_queued_on_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Small stores, and stores of up to 128 blocks and loop_store_max_bytes by pack or
+    # Small stores, and stores of up to 64 blocks and loop_store_max_bytes by pack or
     # kernel (whose queuing does not grow with the segments); not batch ones beyond 64
     # segments: one DMA each, queued in the driver at about 0.8 us apiece.
     with _submitting(monkeypatch) as (engine, threaded, on_loop):
@@ -265,8 +265,8 @@ async def test_stores_up_to_the_loop_limits_are_queued_on_the_loop(
         assert engine._queued_on_loop(_job("store", blocks=4), "batch")  # 64 segments
         assert not engine._queued_on_loop(_job("store", blocks=5), "batch")
         for method in ("pack", "kernel"):
-            assert engine._queued_on_loop(_job("store", blocks=128), method)
-            assert not engine._queued_on_loop(_job("store", blocks=129), method)
+            assert engine._queued_on_loop(_job("store", blocks=64), method)
+            assert not engine._queued_on_loop(_job("store", blocks=65), method)
         engine.loop_store_max_bytes = 4096 * 10
         assert engine._queued_on_loop(_job("store", blocks=10), "pack")
         assert not engine._queued_on_loop(_job("store", blocks=11), "pack")

@@ -62,10 +62,15 @@ class CudaTransferEngine:
     thread_stores = True
     # Stores of at most this many bytes (and LOOP_STORE_MAX_BLOCKS blocks, by pack or
     # kernel) are queued on the event loop, as loads are: the hop to the submitter thread
-    # costs more than their queuing does (H200, 32 KiB blocks, 256 MiB stores resumed
-    # 0.17-0.25 ms sooner queued on the loop in runs 82, 150 and 151, while queuing held
-    # the loop 0.6-0.9 ms, as a load of that size does: bench/RESULTS.md#transfers-123).
-    loop_store_max_bytes = 256 << 20
+    # costs about what their queuing does (H200, 32 KiB blocks, 32 MiB stores: resumed
+    # after 1.36 ms queued on the loop against 1.62 ms through the thread in one run,
+    # 1.04 against 1.07 in another). A 256 MiB store resumed 0.17-0.25 ms sooner queued
+    # whole on the loop (runs 82, 150, 151), but its queuing held the loop 0.6-0.9 ms and
+    # a load submitted next waited for it: both at once reached 78-91% of contiguous DMA
+    # against 80-92% through the thread (runs 153, 156, 157). Queuing the first piece on
+    # the loop and the rest in the thread was worse at both (run 157: the thread waited
+    # for the GIL while the bus idled). bench/RESULTS.md#transfers-123.
+    loop_store_max_bytes = 64 << 20
     # Made in a worker thread while the manager enters (``setup.loop`` is the loop): on
     # the loop, this module's import and the address plan over every array were what
     # the loop ran during a 64-100 GiB entry beside a model's threads, which lagged it

@@ -47,10 +47,9 @@ BATCH_MIN_BLOCK_BYTES = 1 << 20
 # with plain-Python addresses, one batched DMA call and one stream: every torch op on a
 # CPU tensor would cost more than the copy's own submission.
 SMALL_SEGMENTS = 64
-# A store of at most this many blocks (and 256 MiB) by pack or kernel is queued on the
-# event loop: under a millisecond of driver calls (0.6-0.9 ms for 128 Llama blocks on the
-# H200), whatever the block's arrays.
-LOOP_STORE_MAX_BLOCKS = 128
+# A store of at most this many blocks (and 64 MiB) by pack or kernel is queued on the
+# event loop: a few hundred microseconds of driver calls, whatever the block's arrays.
+LOOP_STORE_MAX_BLOCKS = 64
 
 # (host, other, sizes) address arrays for each of the two DMA streams.
 StreamDmas = list[tuple["array.array[int]", "array.array[int]", "array.array[int]"]]
