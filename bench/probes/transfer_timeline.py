@@ -55,18 +55,15 @@ def _instrument() -> None:
     """Wrap the engine's steps to record when each ran (class-level patches)."""
     enqueue = CudaTransferEngine._enqueue
 
-    def timed_enqueue(self: Any, job: Any, method: str, *args: Any, **kwargs: Any) -> None:
+    def timed_enqueue(self: Any, job: Any, method: str) -> None:
+        _mark(job, "enqueue_start")
+        start = torch.cuda.Event(enable_timing=True)
         lane = self._lanes[job.transfer.direction]
-        if "gpu_start_event" not in _marks.get(id(job.transfer), {}):
-            _mark(job, "enqueue_start")
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(lane.kernel)
-            for stream in lane.dma:  # whichever stream the method begins on
-                stream.wait_event(start)
-            _mark(job, "gpu_start_event", start)
-        enqueue(self, job, method, *args, **kwargs)
-        if job.transfer.event is None:
-            return  # a store's first piece: the submitter thread queues the rest
+        start.record(lane.kernel)
+        for stream in lane.dma:  # whichever stream the method begins on
+            stream.wait_event(start)
+        _mark(job, "gpu_start_event", start)
+        enqueue(self, job, method)
         end = torch.cuda.Event(enable_timing=True)
         for stream in lane.dma:
             lane.kernel.wait_stream(stream)

@@ -76,8 +76,9 @@ class TestRoundTrips:
     @pytest.mark.parametrize("n", [1, 31, 32, 33, 288, 289, 700])
     async def test_pack_pieces_of_every_size(self, n: int, runs: bool) -> None:
         """Pack moves a job in pieces of 256 blocks here (128 MiB of staging, 512 KiB
-        blocks), the first of a store and the last of a load 32 (16 MiB); ids that are
-        runs of consecutive ids are read from the table on the device, not uploaded."""
+        blocks), the first of a store and the last of a load 32 (16 MiB), byte for byte;
+        with ids that are runs of consecutive ids (read from the table on the device:
+        tests/test_cuda_plan.py checks that they are not uploaded) and with others."""
         async with kv_manager() as (mgr, layout):
             gpu = list(range(100, 100 + n)) if runs else _ids(n, BLOCKS)
             cpu = list(range(300 - n // 3, 300 - n // 3 + n)) if runs else _ids(n, HOST_BLOCKS)

@@ -66,8 +66,9 @@ class CudaTransferEngine:
     # after 1.36 ms queued on the loop against 1.62 ms through the thread in one run,
     # 1.04 against 1.07 in another). A 256 MiB store resumed 0.17-0.25 ms sooner queued
     # whole on the loop (runs 82, 150, 151), but its queuing held the loop 0.6-0.9 ms and
-    # a load submitted next waited for it: both at once reached 78-91% of contiguous DMA
-    # against 80-92% through the thread (runs 153, 156, 157). Queuing the first piece on
+    # a load submitted next waited for it: both at once reached 83% of contiguous DMA at
+    # the median (78-91%, runs 153, 156, 157) against 85.5% through the thread (80-92%,
+    # runs 151, 153, 157). Queuing the first piece on
     # the loop and the rest in the thread was worse at both (run 157: the thread waited
     # for the GIL while the bus idled). bench/RESULTS.md#transfers-123.
     loop_store_max_bytes = 64 << 20
