@@ -102,7 +102,11 @@ class Contiguous:
         else:
             self.dev[k].copy_(self.host[k], non_blocking=True)
 
-    async def run(self, directions: tuple[str, ...], _: object = None) -> None:
+    def runner(self, *directions: str) -> Callable[[Any], Awaitable[None]]:
+        """``run(directions)`` as a step of ``timed`` (which hands it no ids)."""
+        return lambda _ids: self.run(directions)
+
+    async def run(self, directions: tuple[str, ...]) -> None:
         if not self.streams:  # no GPU: memcpy in a worker thread, as a copy would be
             for k, d in enumerate(directions):
                 await anyio.to_thread.run_sync(self._copy, d, k)
@@ -135,11 +139,23 @@ async def bench_sizes(args: Any, device: str) -> dict[str, Any]:
                 cpu = rng.sample(range(blocks), 2 * k * n)
                 return [lst[j * n : (j + 1) * n] for j in range(2 * k) for lst in (gpu, cpu)]
 
-            async def store(ids: list[list[int]]) -> None:
-                await mgr.store(ids[0], ids[1], method=args.method)
+            def queued(
+                direction: str, count: int = 1
+            ) -> Callable[[list[list[int]]], Awaitable[None]]:
+                """``count`` transfers of one direction queued at once, then all awaited."""
 
-            async def load(ids: list[list[int]]) -> None:
-                await mgr.load(ids[1], ids[0], method=args.method)
+                async def run(ids: list[list[int]]) -> None:
+                    pairs = zip(ids[0 : 2 * count : 2], ids[1 : 2 * count : 2], strict=True)
+                    transfers = [
+                        mgr.store(g, c, method=args.method)
+                        if direction == "store"
+                        else mgr.load(c, g, method=args.method)
+                        for g, c in pairs
+                    ]
+                    for transfer in transfers:
+                        await transfer
+
+                return run
 
             async def both(ids: list[list[int]]) -> None:
                 s = mgr.store(ids[0], ids[1], method=args.method)
@@ -147,32 +163,18 @@ async def bench_sizes(args: Any, device: str) -> dict[str, Any]:
                 await s
                 await ld
 
-            def in_flight(direction: str) -> Callable[[list[list[int]]], Awaitable[None]]:
-                async def run(ids: list[list[int]]) -> None:
-                    pairs = zip(ids[0 : 2 * k : 2], ids[1 : 2 * k : 2], strict=True)
-                    queued = [
-                        mgr.store(g, c, method=args.method)
-                        if direction == "store"
-                        else mgr.load(c, g, method=args.method)
-                        for g, c in pairs
-                    ]
-                    for transfer in queued:
-                        await transfer
-
-                return run
-
             peer = Contiguous(nbytes, device)
             row: dict[str, Any] = {"blocks": n, "bytes": nbytes, "in_flight": args.in_flight}
             picks = partial(pick, n, 1)
             for key, step, moved, picker in (
-                ("store", store, nbytes, picks),
-                ("load", load, nbytes, picks),
+                ("store", queued("store"), nbytes, picks),
+                ("load", queued("load"), nbytes, picks),
                 ("both", both, 2 * nbytes, picks),
-                ("store_in_flight", in_flight("store"), k * nbytes, partial(pick, n, k)),
-                ("load_in_flight", in_flight("load"), k * nbytes, partial(pick, n, k)),
-                ("contiguous_store", partial(peer.run, ("store",)), nbytes, lambda: None),
-                ("contiguous_load", partial(peer.run, ("load",)), nbytes, lambda: None),
-                ("contiguous_both", partial(peer.run, ("store", "load")), 2 * nbytes, lambda: None),
+                ("store_in_flight", queued("store", k), k * nbytes, partial(pick, n, k)),
+                ("load_in_flight", queued("load", k), k * nbytes, partial(pick, n, k)),
+                ("contiguous_store", peer.runner("store"), nbytes, lambda: None),
+                ("contiguous_load", peer.runner("load"), nbytes, lambda: None),
+                ("contiguous_both", peer.runner("store", "load"), 2 * nbytes, lambda: None),
             ):
                 row[f"{key}_gbps"] = moved / await timed(step, args.repeats, picker) / GB
             for key in ("store", "load", "both"):

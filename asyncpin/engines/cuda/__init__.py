@@ -68,9 +68,9 @@ class CudaTransferEngine:
     # whole on the loop (runs 82, 150, 151), but its queuing held the loop 0.6-0.9 ms and
     # a load submitted next waited for it: both at once reached 83% of contiguous DMA at
     # the median (78-91%, runs 153, 156, 157) against 85.5% through the thread (80-92%,
-    # runs 151, 153, 157). Queuing the first piece on
-    # the loop and the rest in the thread was worse at both (run 157: the thread waited
-    # for the GIL while the bus idled). bench/RESULTS.md#transfers-123.
+    # runs 151, 153, 157). Queuing the first piece on the loop and the rest in the
+    # thread was worse at both (run 157: the thread waited for the GIL while the bus
+    # idled). bench/RESULTS.md#transfers-123.
     loop_store_max_bytes = 64 << 20
     # Made in a worker thread while the manager enters (``setup.loop`` is the loop): on
     # the loop, this module's import and the address plan over every array were what
