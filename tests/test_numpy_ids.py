@@ -39,8 +39,8 @@ def test_numpy_integer_scalars_in_a_list_are_ids() -> None:
         ([np.float64(1.0)], "must hold ints only"),
         ([np.bool_(True)], "must hold ints only"),
         # A masked entry has no value: tolist() gives None for it.
-        (np.ma.masked_array([1, 2], mask=[0, 1]), "must hold ints only"),
-        (np.ma.masked_array([5], mask=[1]), "must hold ints only"),
+        (np.ma.masked_array([1, 2], mask=[False, True]), "must hold ints only"),
+        (np.ma.masked_array([5], mask=[True]), "must hold ints only"),
     ],
 )
 def test_other_arrays_are_refused(ids: Any, match: str) -> None:
