@@ -91,10 +91,17 @@ class Lifecycle:
             )
 
     def check_open(self, message: str = "the manager is not open") -> None:
-        """Raise unless open, in the process that opened it."""
+        """Raise unless open, in the process that opened it. ``message`` is for a
+        manager that has closed or is closing; one not open yet is named as such."""
         self.check_process()
-        if self._state is not ManagerState.OPEN:
-            raise anyio.ClosedResourceError(message)
+        if self._state is ManagerState.OPEN:
+            return
+        if self._state is ManagerState.NEW:
+            when = "its entry is under way" if self._entry is not None else "enter it first"
+            raise anyio.ClosedResourceError(
+                f"the manager is not open yet ({when}: async with OffloadManager(...))"
+            )
+        raise anyio.ClosedResourceError(message)
 
     def check_loop_thread(self, call: str) -> None:
         if threading.get_ident() != self._loop_thread:

@@ -669,6 +669,8 @@ class TestEntryOffTheLoop:
             async with held_in_preflight(backend, mgr.__aenter__):
                 # The loop serves this task while the entry's pre-flight is held.
                 assert mgr.state is ManagerState.NEW and made_regions.made == []
+                with pytest.raises(anyio.ClosedResourceError, match="entry is under way"):
+                    mgr.host_view()
             assert backend.thread not in (None, threading.get_ident())
             await mgr.pinned
             await mgr.aclose()

@@ -196,7 +196,7 @@ class TestRefusedCalls:
     async def test_use_after_close_raises_closed_resource_error(self, gen: torch.Generator) -> None:
         layout = small_kv(gen)
         mgr = small_manager(layout, FakeBackend())
-        with pytest.raises(anyio.ClosedResourceError):
+        with pytest.raises(anyio.ClosedResourceError, match=r"not open yet \(enter it first"):
             mgr.store([0], [0])  # never entered
         with anyio.fail_after(TIMEOUT_S):
             async with mgr:
@@ -207,7 +207,9 @@ class TestRefusedCalls:
             lambda: mgr.store([], []),
             mgr.host_blocks,
         ):
-            with pytest.raises(anyio.ClosedResourceError):
+            with pytest.raises(
+                anyio.ClosedResourceError, match=r"closed to new transfers|the manager is not open$"
+            ):
                 call()
         assert mgr.stats().transfers_stored == 1
 
