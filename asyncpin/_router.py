@@ -190,8 +190,10 @@ class TransferRouter:
                 arrays = None
             else:
                 nbytes = layout.span(arrays)[1]
-        gpu = block_ids(gpu_ids, "gpu_block_ids", layout.num_blocks)
-        cpu = block_ids(cpu_ids, "cpu_block_ids", self.num_host_blocks)
+        # Destinations are distinct: no more ids than the destination has blocks.
+        most = self.num_host_blocks if direction == "store" else layout.num_blocks
+        gpu = block_ids(gpu_ids, "gpu_block_ids", layout.num_blocks, most)
+        cpu = block_ids(cpu_ids, "cpu_block_ids", self.num_host_blocks, most)
         if len(gpu) != len(cpu):
             raise InvalidTransferError(
                 f"gpu_block_ids has {len(gpu)} ids and cpu_block_ids {len(cpu)}"

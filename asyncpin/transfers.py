@@ -8,10 +8,11 @@ touches, stays owned by the manager until the device work is done.
 
 from __future__ import annotations
 
+import itertools
 import numbers
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, SupportsIndex, cast
 
@@ -299,6 +300,12 @@ class IntArray(Protocol):
 #: NumPy array of integers.
 BlockIds = Sequence[int] | Sequence[SupportsIndex] | torch.Tensor | IntArray
 
+# The dtypes of tensors that may hold block ids (not bool, not the quantized ones).
+_INT_DTYPES = frozenset(
+    {torch.int8, torch.int16, torch.int32, torch.int64}
+    | {torch.uint8, torch.uint16, torch.uint32, torch.uint64}
+)
+
 
 def _is_array(ids: object) -> bool:
     """A NumPy array (or anything shaped like one), without importing NumPy."""
@@ -358,9 +365,15 @@ def _ints(values: list[Any], what: str) -> list[int]:
     return [operator.index(v) for v in values]  # NumPy's integer scalars, say
 
 
-def block_ids(ids: BlockIds, what: str, limit: int) -> list[int]:
+def _too_many(what: str, count: int | None, max_len: int) -> InvalidTransferError:
+    many = f"{count} ids, more" if count is not None else "more ids"
+    return InvalidTransferError(f"{what} has {many} than the {max_len} blocks this call can move")
+
+
+def block_ids(ids: BlockIds, what: str, limit: int, max_len: int | None = None) -> list[int]:
     """Validate a list of block ids: 1-D integers on the CPU (a sequence of ints, a CPU
-    tensor or a NumPy array), all in ``[0, limit)``.
+    tensor or a NumPy array), all in ``[0, limit)``, and at most ``max_len`` of them
+    (told before any list is made of them: ``range(2**62)`` is refused, not built).
 
     Returns a copy as a plain list (the caller may reuse its buffer at once). Plain Python
     keeps a small transfer's submission to a few microseconds; a torch op on a CPU tensor
@@ -368,6 +381,8 @@ def block_ids(ids: BlockIds, what: str, limit: int) -> list[int]:
     if type(ids) is CheckedIds and ids._sealed() is not None:
         if ids.bound > limit:
             raise InvalidTransferError(f"{what} holds {ids.bound - 1}, outside [0, {limit})")
+        if max_len is not None and len(ids) > max_len:
+            raise _too_many(what, len(ids), max_len)
         return list(ids)
     if isinstance(ids, torch.Tensor):
         if ids.device.type != "cpu":
@@ -377,10 +392,12 @@ def block_ids(ids: BlockIds, what: str, limit: int) -> list[int]:
             )
         if ids.layout != torch.strided:
             raise InvalidTransferError(f"{what} must be a dense tensor, not {ids.layout}")
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        if ids.dtype not in _INT_DTYPES:  # quantized ones too: tolist() cannot read them
             raise InvalidTransferError(f"{what} must be integers, got dtype {ids.dtype}")
         if ids.dim() != 1:
             raise InvalidTransferError(f"{what} must be 1-D, got shape {tuple(ids.shape)}")
+        if max_len is not None and ids.shape[0] > max_len:
+            raise _too_many(what, ids.shape[0], max_len)
         values: list[int] = ids.tolist()
     elif not isinstance(ids, list | tuple) and _is_array(ids):  # lists: the hot path
         # A NumPy array (engines keep block tables in them): integer kinds only.
@@ -389,6 +406,8 @@ def block_ids(ids: BlockIds, what: str, limit: int) -> list[int]:
             raise InvalidTransferError(f"{what} must be integers, got dtype {array.dtype}")
         if array.ndim != 1:
             raise InvalidTransferError(f"{what} must be 1-D, got shape {tuple(array.shape)}")
+        if max_len is not None and array.shape[0] > max_len:
+            raise _too_many(what, array.shape[0], max_len)
         # Ints, but for a masked array's masked entries (None): checked as a list's are.
         values = _ints(array.tolist(), what)
     else:
@@ -398,7 +417,17 @@ def block_ids(ids: BlockIds, what: str, limit: int) -> list[int]:
                 f"{what} must be a sequence of ints, not a {type(ids).__name__}"
             )
         try:
-            values = _ints(list(cast(Sequence[int], ids)), what)
+            if max_len is None:
+                listed = list(cast(Sequence[int], ids))
+            elif isinstance(ids, list | tuple):  # the hot path: its length is known
+                if len(ids) > max_len:
+                    raise _too_many(what, len(ids), max_len)
+                listed = list(ids)
+            else:  # a range, a generator: no more than one id too many is made
+                listed = list(itertools.islice(cast(Iterable[int], ids), max_len + 1))
+                if len(listed) > max_len:
+                    raise _too_many(what, None, max_len)
+            values = _ints(listed, what)
         except TypeError:
             raise InvalidTransferError(f"{what} must be a sequence of ints or a tensor") from None
     if values:

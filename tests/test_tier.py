@@ -4,6 +4,7 @@ a block a load is reading is never evicted; a store with no room says what it sk
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -127,6 +128,11 @@ async def test_bad_input_changes_nothing() -> None:
                 tier.store([1, 2], [3])
             with pytest.raises(InvalidTransferError, match="outside"):
                 tier.store([1], [BLOCKS])
+            # Told from the hashes' count, before a list is made of them.
+            with pytest.raises(InvalidTransferError, match="more ids than the 2 blocks"):
+                tier.store([1, 2], range(2**62))
+            with pytest.raises(InvalidTransferError, match="more ids than the 1 blocks"):
+                tier.store([1], itertools.count())
             with pytest.raises(InvalidTransferError, match="int or bytes"):
                 tier.store(["a"], [1])  # type: ignore[list-item]
             with pytest.raises(InvalidTransferError, match="not loadable"):

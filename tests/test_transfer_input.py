@@ -14,12 +14,15 @@ hanging a shielded close. Every test runs on asyncio and on trio.
 
 from __future__ import annotations
 
+import itertools
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import anyio
 import anyio.from_thread
 import anyio.to_thread
+import numpy as np
 import pytest
 import torch
 from structlog.testing import capture_logs
@@ -54,6 +57,13 @@ N = SMALL_BLOCKS
 H = SMALL_HOST_BLOCKS
 
 
+def _quantized(values: list[float]) -> torch.Tensor:
+    """A quantized tensor (its dtype holds integers, but tolist() cannot read it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors are deprecated
+        return torch.quantize_per_tensor(torch.tensor(values), 1.0, 0, torch.qint8)
+
+
 class BadIds(NamedTuple):
     name: str
     gpu_ids: Any
@@ -85,6 +95,22 @@ BAD_IDS_EITHER_WAY = [
     BadIds("bytes", b"\x00\x01", [0, 1], ("gpu_block_ids", "bytes")),
     BadIds("memoryview", [0, 1], memoryview(b"\x00\x01"), ("cpu_block_ids", "memoryview")),
     BadIds("sparse-tensor", torch.tensor([0, 1]).to_sparse(), [0, 1], ("dense", "sparse")),
+    BadIds("quantized-tensor", [0, 1], _quantized([0.0, 1.0]), ("cpu_block_ids", "qint8")),
+    # More ids than a call can move (its destinations are distinct), told before a list
+    # is made of them: never built, nor refused only by a MemoryError.
+    BadIds("gpu-huge-range", range(2**62), [0, 1], ("gpu_block_ids", "more ids than")),
+    BadIds("cpu-beyond-int64-range", [0, 1], range(2**64), ("cpu_block_ids", "more ids than")),
+    BadIds("gpu-endless-iterator", itertools.count(), [0], ("gpu_block_ids", "more ids than")),
+    BadIds("cpu-long-list", [0], [0] * (N + H + 1), ("cpu_block_ids", f"{N + H + 1} ids")),
+    BadIds(
+        "gpu-long-tensor", torch.zeros(N + H + 1, dtype=torch.int64), [0], (f"{N + H + 1} ids",)
+    ),
+    BadIds(
+        "cpu-long-broadcast-array",
+        [0],
+        np.broadcast_to(np.int64(0), (10**12,)),
+        ("cpu_block_ids", f"{10**12} ids"),
+    ),
     # Ids checked once against a larger bound (a layer-wise load's groups share them): the
     # manager still checks the bound against its own blocks.
     BadIds("checked-gpu-beyond", CheckedIds([0, N], "ids", 1 << 20), [0, 1], (f"{N}, outside",)),

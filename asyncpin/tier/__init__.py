@@ -909,7 +909,7 @@ class KVTier:
         from asyncpin.transfers import block_ids  # torch: see the module docstring
 
         keys = all_checked(hashes)
-        gpu = block_ids(gpu_block_ids, "gpu_block_ids", self._num_blocks)
+        gpu = block_ids(gpu_block_ids, "gpu_block_ids", self._num_blocks, len(keys))
         if len(gpu) != len(keys):
             raise InvalidTransferError(
                 f"{len(keys)} hashes and {len(gpu)} gpu_block_ids: one device block a hash"
