@@ -132,7 +132,7 @@ async def test_bad_input_changes_nothing() -> None:
             with pytest.raises(InvalidTransferError, match="more ids than the 2 blocks"):
                 tier.store([1, 2], range(2**62))
             with pytest.raises(InvalidTransferError, match="more ids than the 1 blocks"):
-                tier.store([1], itertools.count())
+                tier.store([1], itertools.count())  # type: ignore[arg-type]
             with pytest.raises(InvalidTransferError, match="int or bytes"):
                 tier.store(["a"], [1])  # type: ignore[list-item]
             with pytest.raises(InvalidTransferError, match="not loadable"):
