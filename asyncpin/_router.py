@@ -14,12 +14,13 @@ from collections.abc import Callable, Iterator
 from typing import Any, cast, get_args
 
 import anyio
+import torch
 
 from asyncpin._config import UnpinnedPolicy
 from asyncpin._text import shown
 from asyncpin.abc import TransferEngine
 from asyncpin.chunks import ChunkTable
-from asyncpin.errors import InvalidTransferError, TransferError
+from asyncpin.errors import ConfigError, InvalidTransferError, TransferError
 from asyncpin.kv import KVLayout
 from asyncpin.region import HostRegion
 from asyncpin.transfers import (
@@ -92,6 +93,17 @@ class TransferRouter:
         self._engine_error: BaseException | None = None
         self._unprepared: deque[TransferJob] = deque()
         self._pageable_early = bool(getattr(engine, "pageable_before_prepare", False))
+        # The KV arrays' memory as of the open, when the engine took its addresses: a
+        # storage resized since (or freed, resize_(0)) would have it copy to and from
+        # memory the arrays no longer own. Checked at each call (~2 us for 32 storages).
+        # By address: the storage and an array in it.
+        storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        for a, array in enumerate(layout.arrays):
+            storage = array.untyped_storage()
+            storages.setdefault(storage.data_ptr(), (storage, a))
+        self._storages = tuple(storage for storage, _ in storages.values())
+        self._storage_ptrs = list(storages)
+        self._storage_arrays = [a for _, a in storages.values()]
 
     async def drained(self) -> None:
         """Returns once no transfer is in flight (their device work is done)."""
@@ -182,6 +194,7 @@ class TransferRouter:
         method: Method,
         arrays: range | None,
     ) -> TransferJob:
+        self.check_memory()
         layout = self.layout
         nbytes = layout.host_block_bytes
         if arrays is not None:
@@ -209,6 +222,23 @@ class TransferRouter:
         transfer = Transfer(direction, len(gpu), len(gpu) * nbytes)
         transfer.log = self._log  # the manager's, shielded: a raising done callback's
         return TransferJob(transfer, gpu, cpu, method, arrays, on_finish=_settle)
+
+    def check_memory(self) -> None:
+        """ConfigError if a KV array's memory moved since the open (its storage resized
+        or freed): the engine copies to and from the addresses it took then."""
+        now = [storage.data_ptr() for storage in self._storages]
+        if now == self._storage_ptrs:
+            return
+        moved = next(
+            a
+            for a, was, ptr in zip(self._storage_arrays, self._storage_ptrs, now, strict=True)
+            if ptr != was
+        )
+        raise ConfigError(
+            f"KV array {moved}'s memory moved since the manager opened (its storage was "
+            "resized or freed): transfers copy to and from the addresses the arrays had "
+            "then, so their memory must stay in place while the manager is open"
+        )
 
     def _spans(self, cpu_ids: list[int]) -> Iterator[tuple[int, int]]:
         """``(offset, nbytes)`` in the region of each host block (this rank's part)."""

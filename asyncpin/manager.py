@@ -447,7 +447,9 @@ class OffloadManager:
     def _check_submit(self, direction: Literal["store", "load"], method: Method) -> None:
         """What ``store`` and ``load`` check before the ids (open, this thread, a KV
         layout, the method), for a caller that must know before it changes anything."""
-        self._router(direction).check_method(method)
+        router = self._router(direction)
+        router.check_memory()
+        router.check_method(method)
 
     @property
     def _engine(self) -> TransferEngine | None:

@@ -320,6 +320,18 @@ class TestStreamOrder:
             assert torch.all(sums == expected).item()
             await transfer
 
+    async def test_an_empty_transfer_has_an_event_too(self) -> None:
+        """A step with nothing to load still orders its compute after the load's event
+        (it had none: the README's wait_event(t.event) raised)."""
+        async with kv_manager() as (mgr, _):
+            for transfer in (mgr.load([], []), mgr.store([], [])):
+                assert isinstance(transfer.event, torch.cuda.Event)
+                torch.cuda.current_stream().wait_event(transfer.event)
+                with anyio.fail_after(60):
+                    await transfer
+                assert transfer.done() and transfer.nbytes == 0
+            torch.cuda.current_stream().synchronize()
+
 
 class TestAwaiting:
     """The awaiting coroutine is woken without polling and may be cancelled safely."""

@@ -253,6 +253,10 @@ class CudaTransferEngine:
         job.transfer.method = method
         job.transfer.path = "pageable" if pageable else "pinned"
         if job.transfer.num_blocks == 0:
+            # Nothing to copy, but an event all the same, as README promises a load's
+            # (a step with nothing to load still orders its compute after it): the
+            # caller's stream as of the call, which orders nothing new.
+            job.transfer.event = job.ready if job.ready is not None else self.record_ready()
             job.finish()
             return
         if pageable:
