@@ -159,10 +159,13 @@ class TransferRouter:
             self._engine_error = error
         for job in waiting:
             if error is not None:
+                why = (
+                    "the manager closed before the transfer engine was set up"
+                    if isinstance(error, anyio.ClosedResourceError)
+                    else f"the transfer engine could not be set up ({error!r})"
+                )
                 failed = TransferError(
-                    f"{job.transfer.direction} failed: the transfer engine could not be set "
-                    f"up ({error!r})",
-                    direction=job.transfer.direction,
+                    f"{job.transfer.direction} failed: {why}", direction=job.transfer.direction
                 )
                 failed.__cause__ = error
                 job.transfer._finish(failed)

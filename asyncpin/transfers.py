@@ -56,7 +56,9 @@ class Transfer(Outcome):
 
     ``await transfer`` (or ``await transfer.wait()``) returns when the device work is
     complete and raises the TransferError if it failed (``ClosedResourceError`` if the
-    manager closed under it). For a load on CUDA, ``event`` is a ``torch.cuda.Event``
+    manager closed under it; one still waiting, for its chunks' pinning or for the
+    engine's set-up, fails with a TransferError saying the manager closed). For a load
+    on CUDA, ``event`` is a ``torch.cuda.Event``
     recorded after the copy: ``torch.cuda.current_stream().wait_event(transfer.event)``
     orders later compute after it without blocking. It is None until the copy is queued
     (immediately when the host blocks are pinned; later for a transfer that waits for

@@ -473,11 +473,15 @@ async def test_a_close_aborts_a_set_up_held_by_a_pause(
         # Taken before entry: the set-up cannot have begun.
         async with pause_held_elsewhere(mgr), anyio.create_task_group() as tg:
             await mgr.__aenter__()
+            waiting = mgr.store([0], [0])
             made.engine.let_prepare()
             tg.start_soon(mgr.aclose)
             with pytest.raises(anyio.ClosedResourceError):
                 await mgr.pinned  # the set-up gave up: the pause is still held
             assert not made.engine.prepared
+            # Said as what happened, not as a set-up that failed.
+            with pytest.raises(TransferError, match="manager closed before the transfer engine"):
+                await waiting
     assert mgr.state.value == "closed" and made.engine.closed
     assert _released(made_regions, backend)
 
