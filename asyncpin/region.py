@@ -385,6 +385,13 @@ class HostRegion:
             if exc.errno == errno.EINVAL:
                 return True
             if exc.errno == errno.EFAULT and self.backing == "shared":
+                held = os.fstat(self._fd).st_size if self._fd >= 0 else None
+                if held is not None and held < end:  # the data lies at the file's start
+                    raise _sys.LibcError(
+                        f"faulting in /dev/shm/{self.name}: the file was truncated to {held} "
+                        f"bytes, short of the region's {self.nbytes} (by another process)",
+                        errno.EFAULT,
+                    ) from exc
                 raise _sys.LibcError(
                     f"faulting in /dev/shm/{self.name} (the file system ran out of space: "
                     f"{shm_unpromised_bytes()} bytes free after what other files were promised)",

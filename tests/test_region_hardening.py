@@ -435,6 +435,22 @@ class TestShmSpace:
         finally:
             region.release()
 
+    def test_a_file_truncated_by_another_process_is_named_so(self, shm_name: str) -> None:
+        # Faulting pages past the end of a truncated file fails as a full tmpfs does
+        # (EFAULT): the error says which happened (it blamed a full /dev/shm).
+        region = HostRegion.create(4 * MIB_2, backing="shared", name=shm_name)
+        try:
+            fd = os.open(SHM_DIR / shm_name, os.O_RDWR)  # another process of this user
+            try:
+                os.ftruncate(fd, MIB_2)
+            finally:
+                os.close(fd)
+            with pytest.raises(OSError, match=f"truncated to {MIB_2} bytes") as info:
+                region.prefault(0, 4 * MIB_2)
+            assert info.value.errno == errno.EFAULT
+        finally:
+            region.release()
+
 
 # -- names, sizes, unlinking ------------------------------------------------------------
 
