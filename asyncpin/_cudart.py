@@ -224,6 +224,17 @@ class Runtime:
         one made before this call: recording the event again later changes nothing)."""
         self.check("cudaStreamWaitEvent", self.lib.cudaStreamWaitEvent(stream, event, 0))
 
+    def capturing(self, stream: int) -> bool:
+        """Whether ``stream`` is capturing a CUDA graph (or its capture was invalidated and
+        not yet ended). A query the runtime refuses (the legacy stream while another
+        thread captures in global mode) answers False, its error cleared."""
+        status = ctypes.c_int(0)
+        code = self.lib.cudaStreamIsCapturing(ctypes.c_void_p(stream), ctypes.byref(status))
+        if code != 0:
+            self.lib.cudaGetLastError()
+            return False
+        return status.value != 0  # cudaStreamCaptureStatusNone is 0
+
     def destroy(self, event: int) -> None:
         self.lib.cudaEventDestroy(event)  # released once pending work no longer needs it
 

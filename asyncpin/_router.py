@@ -104,6 +104,11 @@ class TransferRouter:
         self._storages = tuple(storage for storage, _ in storages.values())
         self._storage_ptrs = list(storages)
         self._storage_arrays = [a for _, a in storages.values()]
+        # An engine may refuse a caller's context (the CUDA engine: a graph capture on the
+        # caller's current stream) before anything is made of the call.
+        self._check_caller: Callable[[Direction], None] | None = getattr(
+            engine, "check_caller", None
+        )
 
     async def drained(self) -> None:
         """Returns once no transfer is in flight (their device work is done)."""
@@ -197,7 +202,7 @@ class TransferRouter:
         method: Method,
         arrays: range | None,
     ) -> TransferJob:
-        self.check_memory()
+        self.check_call(direction)
         layout = self.layout
         nbytes = layout.host_block_bytes
         if arrays is not None:
@@ -226,7 +231,15 @@ class TransferRouter:
         transfer.log = self._log  # the manager's, shielded: a raising done callback's
         return TransferJob(transfer, gpu, cpu, method, arrays, on_finish=_settle)
 
-    def check_memory(self) -> None:
+    def check_call(self, direction: Direction) -> None:
+        """What refuses a call whatever its ids: KV memory that moved (ConfigError), and a
+        context the engine refuses (LifecycleError: a CUDA graph capture on the caller's
+        stream)."""
+        self._check_memory()
+        if self._check_caller is not None:
+            self._check_caller(direction)
+
+    def _check_memory(self) -> None:
         """ConfigError if a KV array's memory moved since the open (its storage resized
         or freed): the engine copies to and from the addresses it took then."""
         now = [storage.data_ptr() for storage in self._storages]

@@ -155,6 +155,9 @@ class TransferEngine(Protocol):
     - ``pageable=True``: some host block of the job is not pinned yet; the engine copies
       through pageable memory (the host may wait) and calls ``job.reserve()`` first when
       it is set.
+    - An engine may define ``check_caller(direction)``: called on the event loop before
+      a job is made of a call, it raises to refuse the caller's context (the CUDA
+      engine's LifecycleError: a graph capture on the caller's current stream).
     - ``close()`` is called once, in a worker thread, after every job it took has
       finished and the manager's tasks have ended; it releases threads, streams and
       device memory and drops its views of the host blocks. Nothing is called after.

@@ -139,10 +139,12 @@ class InvalidTransferError(TransferError, ValueError):
 
 
 class LifecycleError(AsyncpinError, RuntimeError):
-    """A lifecycle call refused because it cannot work where it was made: closing inside
-    a hold that the close itself would wait for (``pinning_paused()``, ``capture_gate()``),
-    or from an event loop other than the one that opened the manager. Nothing changed:
-    the manager can be closed once the hold is released, or from its own loop."""
+    """A call refused because it cannot work where it was made: closing inside a hold
+    that the close itself would wait for (``pinning_paused()``, ``capture_gate()``), or
+    from an event loop other than the one that opened the manager; a store or load while
+    the caller's current stream captures a CUDA graph. Nothing changed: the manager can
+    be closed once the hold is released, or from its own loop; the transfer called
+    before or after the capture."""
 
 
 class ForkedManagerError(LifecycleError):

@@ -448,7 +448,7 @@ class OffloadManager:
         """What ``store`` and ``load`` check before the ids (open, this thread, a KV
         layout, the method), for a caller that must know before it changes anything."""
         router = self._router(direction)
-        router.check_memory()
+        router.check_call(direction)
         router.check_method(method)
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -13,7 +13,14 @@ import anyio.lowlevel
 import pytest
 import torch
 
-from asyncpin import KVLayout, OffloadManager, Transfer, TransferError, capture_gate
+from asyncpin import (
+    KVLayout,
+    LifecycleError,
+    OffloadManager,
+    Transfer,
+    TransferError,
+    capture_gate,
+)
 from asyncpin.engines.cuda.plan import is_run
 
 pytestmark = pytest.mark.cuda
@@ -449,6 +456,42 @@ class TestGraphCaptures:
             dest, src = list(final), list(final.values())
             for a, array in enumerate(layout.arrays):
                 assert torch.equal(array[dest], source[a][src]), f"array {a} differs"
+
+    async def test_a_call_inside_a_capture_on_its_own_stream_is_refused(self) -> None:
+        """store() or load() on the thread that captures, its current stream capturing:
+        refused with LifecycleError before anything touches the stream; the capture goes
+        on and replays (the copy's wait on the captured stream broke it before)."""
+        async with kv_manager() as (mgr, layout):
+            x = torch.ones(1 << 16, device="cuda")
+            graph = torch.cuda.CUDAGraph()
+            refused: list[str] = []
+            before = mgr.stats()
+            torch.cuda.synchronize()
+            calls: list[Callable[[], Transfer]] = [
+                lambda: mgr.store([0, 1], [0, 1]),
+                lambda: mgr.load([0], [2]),
+                lambda: mgr.load([], []),
+            ]
+            with torch.cuda.graph(graph):
+                y = x * 2
+                for call in calls:
+                    try:
+                        call()
+                    except LifecycleError as exc:
+                        refused.append(str(exc))
+                y = y + 1
+            graph.replay()
+            torch.cuda.current_stream().synchronize()
+            assert len(refused) == 3 and all("captures a CUDA graph" in r for r in refused)
+            assert bool((y == 3).all())
+            after = mgr.stats()
+            assert (after.transfers_stored, after.transfers_loaded) == (
+                before.transfers_stored,
+                before.transfers_loaded,
+            )
+            with anyio.fail_after(60):
+                await mgr.store([0, 1], [0, 1])  # the manager moves blocks after it
+            _check_host(mgr, layout, [0, 1], [0, 1])
 
 
 class TestPackStagingOnFirstUse:

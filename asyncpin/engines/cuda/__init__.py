@@ -40,7 +40,7 @@ from asyncpin.engines.cuda.plan import (
     is_small,
     kernel_misalignment,
 )
-from asyncpin.errors import BackendCallError
+from asyncpin.errors import BackendCallError, LifecycleError
 from asyncpin.gate import outside_captures, unless_capturing
 from asyncpin.transfers import Direction, TransferJob, copy_in_thread
 
@@ -183,6 +183,17 @@ class CudaTransferEngine:
                 ids, base = lane.ids.data_ptr(), self._plan.host_base
                 copies.launch(lane.kernel, ids, ids, 0, base, to_host=d == "store", ctas=1)
                 lane.kernel.synchronize()
+
+    def check_caller(self, direction: Direction) -> None:
+        """LifecycleError if the caller's current stream is capturing a CUDA graph: the
+        copy would have to wait for work inside the graph, which breaks the capture."""
+        caller = torch._C._cuda_getCurrentRawStream(self._index)
+        if self._rt.capturing(caller):
+            raise LifecycleError(
+                f"{direction}() was called while this thread's current stream captures a "
+                "CUDA graph: a transfer cannot be part of one; call it before or after the "
+                "capture"
+            )
 
     def record_ready(self) -> Any:
         event = torch.cuda.Event()
