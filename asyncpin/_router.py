@@ -101,9 +101,7 @@ class TransferRouter:
         for a, array in enumerate(layout.arrays):
             storage = array.untyped_storage()
             storages.setdefault(storage.data_ptr(), (storage, a))
-        self._storages = tuple(storage for storage, _ in storages.values())
-        self._storage_ptrs = list(storages)
-        self._storage_arrays = [a for _, a in storages.values()]
+        self._storages = tuple((storage, ptr, a) for ptr, (storage, a) in storages.items())
         # An engine may refuse a caller's context (the CUDA engine: a graph capture on the
         # caller's current stream) before anything is made of the call.
         self._check_caller: Callable[[Direction], None] | None = getattr(
@@ -242,19 +240,14 @@ class TransferRouter:
     def _check_memory(self) -> None:
         """ConfigError if a KV array's memory moved since the open (its storage resized
         or freed): the engine copies to and from the addresses it took then."""
-        now = [storage.data_ptr() for storage in self._storages]
-        if now == self._storage_ptrs:
-            return
-        moved = next(
-            a
-            for a, was, ptr in zip(self._storage_arrays, self._storage_ptrs, now, strict=True)
-            if ptr != was
-        )
-        raise ConfigError(
-            f"KV array {moved}'s memory moved since the manager opened (its storage was "
-            "resized or freed): transfers copy to and from the addresses the arrays had "
-            "then, so their memory must stay in place while the manager is open"
-        )
+        for storage, was, array in self._storages:
+            if storage.data_ptr() != was:
+                raise ConfigError(
+                    f"KV array {array}'s memory moved since the manager opened (its storage "
+                    "was resized or freed): transfers copy to and from the addresses the "
+                    "arrays had then, so their memory must stay in place while the manager "
+                    "is open"
+                )
 
     def _spans(self, cpu_ids: list[int]) -> Iterator[tuple[int, int]]:
         """``(offset, nbytes)`` in the region of each host block (this rank's part)."""
