@@ -97,10 +97,12 @@ class Lifecycle:
         if self._state is ManagerState.OPEN:
             return
         if self._state is ManagerState.NEW:
-            when = "its entry is under way" if self._entry is not None else "enter it first"
-            raise anyio.ClosedResourceError(
-                f"the manager is not open yet ({when}: async with OffloadManager(...))"
+            when = (
+                "its entry is under way"
+                if self._entry is not None
+                else "enter it first: async with OffloadManager(...)"
             )
+            raise anyio.ClosedResourceError(f"the manager is not open yet ({when})")
         raise anyio.ClosedResourceError(message)
 
     def check_loop_thread(self, call: str) -> None:

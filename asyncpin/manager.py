@@ -431,9 +431,11 @@ class OffloadManager:
         cpu_block_ids: BlockIds,
         method: Method,
         arrays: range | None,
+        *,
+        checked: bool = False,
     ) -> Transfer:
         return self._router(direction).submit(
-            direction, gpu_block_ids, cpu_block_ids, method, arrays
+            direction, gpu_block_ids, cpu_block_ids, method, arrays, checked=checked
         )
 
     def _router(self, direction: Literal["store", "load"]) -> TransferRouter:
@@ -444,11 +446,13 @@ class OffloadManager:
             raise ConfigError("this manager has no KV layout (use OffloadManager.for_kv)")
         return router
 
-    def _check_submit(self, direction: Literal["store", "load"], method: Method) -> None:
+    def _check_submit(
+        self, direction: Literal["store", "load"], method: Method, arrays: range | None = None
+    ) -> None:
         """What ``store`` and ``load`` check before the ids (open, this thread, a KV
         layout, the method), for a caller that must know before it changes anything."""
         router = self._router(direction)
-        router.check_call(direction)
+        router.check_call(direction, arrays)
         router.check_method(method)
 
     @property

@@ -385,8 +385,8 @@ class HostRegion:
             if exc.errno == errno.EINVAL:
                 return True
             if exc.errno == errno.EFAULT and self.backing == "shared":
-                held = os.fstat(self._fd).st_size if self._fd >= 0 else None
-                if held is not None and held < end:  # the data lies at the file's start
+                held = _file_size(self._fd)
+                if held is not None and held < start + size:  # data from the file's start
                     raise _sys.LibcError(
                         f"faulting in /dev/shm/{self.name}: the file was truncated to {held} "
                         f"bytes, short of the region's {self.nbytes} (by another process)",
@@ -516,3 +516,14 @@ def validate_hugepages(hugepages: object) -> HugePages:
     if hugepages not in ("thp", "hugetlb", "none"):
         raise ConfigError(f"unknown hugepages policy {hugepages!r}: use 'thp', 'hugetlb' or 'none'")
     return hugepages
+
+
+def _file_size(fd: int) -> int | None:
+    """The size of the file open as ``fd``, None where there is none or it cannot be told
+    (the error being reported is the caller's)."""
+    if fd < 0:
+        return None
+    try:
+        return os.fstat(fd).st_size
+    except OSError:
+        return None

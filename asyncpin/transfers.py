@@ -369,7 +369,8 @@ def _ints(values: list[Any], what: str) -> list[int]:
 
 def _too_many(what: str, count: int | None, max_len: int) -> InvalidTransferError:
     many = f"{count} ids, more" if count is not None else "more ids"
-    return InvalidTransferError(f"{what} has {many} than the {max_len} blocks this call can move")
+    blocks = "block" if max_len == 1 else "blocks"
+    return InvalidTransferError(f"{what} has {many} than the {max_len} {blocks} this call can move")
 
 
 def block_ids(ids: BlockIds, what: str, limit: int, max_len: int | None = None) -> list[int]:

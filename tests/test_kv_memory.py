@@ -71,3 +71,27 @@ async def test_a_call_after_an_arrays_memory_moved_is_refused(
             assert _counts(mgr) == before
             assert 12 not in tier.index and tier.lookup([11]) == 1  # the index unchanged
         assert mgr.stats().transfers_failed == 0
+
+
+async def test_a_layer_wise_store_checks_each_group_and_survives_a_refusal(
+    device: torch.device,
+) -> None:
+    """store_group checks the memory of its own group's arrays: a refused group changes
+    nothing (the store goes on: the other layer's group stores), and a group whose memory
+    moved is refused each time (it aborted the whole store before)."""
+    layout, kv = _layout(device)
+    with anyio.fail_after(TIMEOUT_S):
+        async with _manager(layout) as mgr:
+            await mgr.pinned
+            tier = KVTier(mgr)
+            store = tier.store_layers([21, 22], [1, 2])  # groups: layer 0, layer 1
+            storage = kv[0].untyped_storage()
+            storage.resize_(storage.nbytes() * 2)
+            for _ in range(2):
+                with pytest.raises(ConfigError, match="KV array 0's memory moved"):
+                    store.store_group(0)
+            assert store.transfers == [None, None]
+            await store.store_group(1)  # layer 1's memory is where it was
+            assert tier.lookup([21]) == 0  # not loadable: layer 0 is not stored
+            store.abort()
+        assert mgr.stats().transfers_failed == 0

@@ -129,9 +129,11 @@ async def test_bad_input_changes_nothing() -> None:
             with pytest.raises(InvalidTransferError, match="outside"):
                 tier.store([1], [BLOCKS])
             # Told from the hashes' count, before a list is made of them.
-            with pytest.raises(InvalidTransferError, match="more ids than the 2 blocks"):
+            with pytest.raises(InvalidTransferError, match=f"2 hashes and {2**62} gpu_block_ids"):
                 tier.store([1, 2], range(2**62))
-            with pytest.raises(InvalidTransferError, match="more ids than the 1 blocks"):
+            with pytest.raises(InvalidTransferError, match="more ids than the 2 blocks"):
+                tier.store([1, 2], range(2**64))  # no len(): told from the first three
+            with pytest.raises(InvalidTransferError, match="more ids than the 1 block this"):
                 tier.store([1], itertools.count())  # type: ignore[arg-type]
             with pytest.raises(InvalidTransferError, match="int or bytes"):
                 tier.store(["a"], [1])  # type: ignore[list-item]

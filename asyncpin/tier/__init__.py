@@ -28,6 +28,7 @@ import anyio.abc
 import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from asyncpin._lifecycle import ManagerState
 from asyncpin._text import shown
 from asyncpin.errors import ConfigError, InvalidTransferError, TransferError
 from asyncpin.stats import TierStats
@@ -191,13 +192,14 @@ class LayerStore:
             or self.transfers[i] is not None
         ):
             raise InvalidTransferError(f"group {shown(i)} is not a group still to store")
-        self._tier.manager._life.check_loop_thread("store_group")
+        manager, group = self._tier.manager, self.groups[i]
+        manager._life.check_loop_thread("store_group")
+        if manager.state is ManagerState.OPEN:  # (a closed one aborts the store, below)
+            # Refused, nothing changed, as off the thread: the group may go later.
+            manager._check_submit("store", self._method, group)
         try:
-            transfer = self._tier.manager.store(
-                self._gpu,
-                self._host,
-                method=self._method,
-                arrays=self.groups[i],
+            transfer = manager._submit(
+                "store", self._gpu, self._host, self._method, group, checked=True
             )
         except BaseException:
             self.abort()
@@ -616,8 +618,9 @@ class KVTier:
             host_ids = CheckedIds(host, "cpu_block_ids", self.manager.num_host_blocks)
             for group in ranges:
                 try:
+                    # Checked for every group by _checked above: the groups go now.
                     transfers.append(
-                        self.manager.load(host_ids, gpu_ids, method=method, arrays=group)
+                        self.manager._submit("load", gpu_ids, host_ids, method, group, checked=True)
                     )
                 except TransferError as exc:
                     if not transfers:
@@ -909,6 +912,16 @@ class KVTier:
         from asyncpin.transfers import block_ids  # torch: see the module docstring
 
         keys = all_checked(hashes)
+        # The count first, where a sequence tells it (a tensor or an array is checked as
+        # ids first: its shape, then its length).
+        try:
+            count = len(gpu_block_ids) if isinstance(gpu_block_ids, list | tuple | range) else None
+        except OverflowError:  # a range past sys.maxsize
+            count = None
+        if count is not None and count != len(keys):
+            raise InvalidTransferError(
+                f"{len(keys)} hashes and {count} gpu_block_ids: one device block a hash"
+            )
         gpu = block_ids(gpu_block_ids, "gpu_block_ids", self._num_blocks, len(keys))
         if len(gpu) != len(keys):
             raise InvalidTransferError(
