@@ -37,7 +37,7 @@ from asyncpin.errors import (
 from asyncpin.gate import PausedContext, PauseGate
 from asyncpin.kv import KVLayout
 from asyncpin.pinning import PinnedSignal
-from asyncpin.region import Backing, HugePages
+from asyncpin.region import Backing, HugePages, chunk_pieces
 from asyncpin.stats import ManagerStats
 from asyncpin.transfers import (
     BlockIds,
@@ -307,6 +307,46 @@ class OffloadManager:
         self._life.check_open()
         assert self._opened is not None
         return self._opened.region.view(offset, nbytes)
+
+    def host_copy(
+        self, dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False
+    ) -> None:
+        """``dst.copy_(src)``, where one of them is a contiguous view of this region
+        (``host_view()``, ``host_bytes()``, ``host_blocks()`` or a slice of rows of them)
+        and the other a contiguous tensor of the same shape and dtype (on the GPU, say),
+        in pieces that never span two chunks: each chunk is a pinned registration of its
+        own, and the CUDA driver refuses a copy across two (``cudaErrorInvalidValue``).
+        ConfigError for tensors it cannot copy so."""
+        self._life.check_open()
+        assert self._opened is not None
+        region = self._opened.region
+        for t in (dst, src):
+            if not isinstance(t, torch.Tensor):
+                raise ConfigError(f"host_copy copies tensors, not {type(t).__name__}")
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ConfigError(
+                f"host_copy needs two tensors of one shape and dtype, not {tuple(dst.shape)} "
+                f"{dst.dtype} and {tuple(src.shape)} {src.dtype}"
+            )
+        if not (dst.is_contiguous() and src.is_contiguous()):
+            raise ConfigError("host_copy copies contiguous tensors only")
+        nbytes = dst.numel() * dst.element_size()
+        end = region.address + region.nbytes
+        host = next(
+            (
+                t
+                for t in (dst, src)
+                if t.device.type == "cpu" and region.address <= t.data_ptr() <= end - nbytes
+            ),
+            None,
+        )
+        if host is None:
+            raise ConfigError("host_copy needs one tensor to be a view of this region")
+        if nbytes == 0:
+            return
+        to, frm = (t.reshape(-1).view(torch.uint8) for t in (dst, src))
+        for lo, hi in chunk_pieces(host.data_ptr() - region.address, nbytes, self._chunk_bytes):
+            to[lo:hi].copy_(frm[lo:hi], non_blocking=non_blocking)
 
     async def measure_hugepages(self) -> int:
         """Bytes of the region backed by huge pages, measured now in a worker thread

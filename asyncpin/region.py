@@ -89,6 +89,17 @@ def next_prefault_piece(piece: int, wall_s: float, cpu_s: float, limit: int) -> 
     return piece
 
 
+def chunk_pieces(offset: int, nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """``[offset, offset + nbytes)`` of a region cut where its chunks (``chunk_bytes``
+    spans from the region's start) meet: ``(start, end)`` pairs, relative to ``offset``."""
+    pieces, lo = [], 0
+    while lo < nbytes:
+        hi = min(nbytes, lo + chunk_bytes - (offset + lo) % chunk_bytes)
+        pieces.append((lo, hi))
+        lo = hi
+    return pieces
+
+
 def round_to_pages(nbytes: int) -> int:
     return -(-nbytes // _sys.PAGE_SIZE) * _sys.PAGE_SIZE
 

@@ -6,7 +6,8 @@ takes: within one pinned chunk, and across two (each chunk is its own registrati
 For each registration mode (asyncpin's own context, the default, and torch's context:
 ``CudaBackend(own_context=False)``), each direction, and ``non_blocking`` off and on,
 copies one chunk's bytes at a chunk's start, and then the same bytes straddling a chunk
-boundary, and reports "ok" (bytes checked) or the error's first line.
+boundary, and reports "ok" (bytes checked) or the error's first line; each by a torch
+``copy_`` and by ``mgr.host_copy`` (cut where the chunks meet).
 """
 
 from __future__ import annotations
@@ -60,10 +61,41 @@ async def _mode(own_context: bool) -> dict[str, str]:
                     out.copy_(v, non_blocking=nb)
                     return lambda: bool((out == 7).all())
 
+                def host_store(
+                    v: torch.Tensor = view, g: torch.Tensor = gpu, nb: bool = blocking
+                ) -> Any:
+                    mgr.host_copy(v, g, non_blocking=nb)
+                    return lambda: torch.equal(v, g.cpu())
+
+                def host_load(v: torch.Tensor = view, nb: bool = blocking) -> Any:
+                    v.fill_(9)
+                    out = torch.empty(CHUNK, dtype=torch.uint8, device="cuda")
+                    mgr.host_copy(out, v, non_blocking=nb)
+                    return lambda: bool((out == 9).all())
+
                 key = f"{where} non_blocking={blocking}"
                 results[f"D2H {key}"] = _try(store)
                 results[f"H2D {key}"] = _try(load)
+                results[f"D2H host_copy {key}"] = _try(host_store)
+                results[f"H2D host_copy {key}"] = _try(host_load)
             del view
+        # A strided view (as host_array() gives) whose rows each span a boundary.
+        rows = mgr.host_view(CHUNK // 4, 3 * CHUNK).view(3, CHUNK)[:, CHUNK // 2 :]
+        gpu = torch.randint(0, 255, tuple(rows.shape), dtype=torch.uint8, device="cuda")
+
+        def strided_store(v: torch.Tensor = rows, g: torch.Tensor = gpu) -> Any:
+            v.copy_(g)
+            return lambda: torch.equal(v, g.cpu())
+
+        def strided_load(v: torch.Tensor = rows) -> Any:
+            v.fill_(5)
+            out = torch.empty(tuple(v.shape), dtype=torch.uint8, device="cuda")
+            out.copy_(v)
+            return lambda: bool((out == 5).all())
+
+        results["D2H strided rows across"] = _try(strided_store)
+        results["H2D strided rows across"] = _try(strided_load)
+        del rows
     return results
 
 
@@ -76,7 +108,7 @@ def main() -> None:
         out["own context" if own else "torch's context"] = anyio.run(_mode, own)
     for mode, results in out.items():
         for key, value in results.items():
-            print(f"{mode:16} {key:32} {value}")
+            print(f"{mode:16} {key:42} {value}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(out, indent=1))
 
