@@ -232,8 +232,8 @@ class TransferRouter:
                 f"gpu_block_ids has {len(gpu)} ids and cpu_block_ids {len(cpu)}"
             )
         dst, given = (cpu, cpu_ids) if direction == "store" else (gpu, gpu_ids)
-        checked = type(given) is CheckedIds and given.unique  # False unless sealed
-        if not checked and len(set(dst)) != len(dst):
+        unique = type(given) is CheckedIds and given.unique  # False unless sealed
+        if not unique and len(set(dst)) != len(dst):
             raise InvalidTransferError(
                 f"{'cpu' if direction == 'store' else 'gpu'}_block_ids has duplicate "
                 "destinations: the result would depend on copy order"

@@ -311,12 +311,14 @@ class OffloadManager:
     def host_copy(
         self, dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False
     ) -> None:
-        """``dst.copy_(src)``, where one of them is a contiguous view of this region
-        (``host_view()``, ``host_bytes()``, ``host_blocks()`` or a slice of rows of them)
-        and the other a contiguous tensor of the same shape and dtype (on the GPU, say),
-        in pieces that never span two chunks: each chunk is a pinned registration of its
-        own, and the CUDA driver refuses a copy across two (``cudaErrorInvalidValue``).
-        ConfigError for tensors it cannot copy so."""
+        """``dst.copy_(src)``, where one of them is a view of this region (``host_view()``,
+        ``host_bytes()``, ``host_blocks()``, ``host_array(a)`` or a view of them) and the
+        other a tensor of the same shape and dtype (on the GPU, say). A dense view is
+        copied in pieces that never span two chunks: each chunk is a pinned registration
+        of its own, and the CUDA driver refuses one copy across two
+        (``cudaErrorInvalidValue``); the other tensor is first laid out as the view where
+        its strides differ. Any other view goes to torch as it is (torch copies it through
+        a buffer of its own). ConfigError for tensors it cannot copy so."""
         self._life.check_open()
         assert self._opened is not None
         region = self._opened.region
@@ -328,25 +330,33 @@ class OffloadManager:
                 f"host_copy needs two tensors of one shape and dtype, not {tuple(dst.shape)} "
                 f"{dst.dtype} and {tuple(src.shape)} {src.dtype}"
             )
-        if not (dst.is_contiguous() and src.is_contiguous()):
-            raise ConfigError("host_copy copies contiguous tensors only")
-        nbytes = dst.numel() * dst.element_size()
-        end = region.address + region.nbytes
-        host = next(
-            (
-                t
-                for t in (dst, src)
-                if t.device.type == "cpu" and region.address <= t.data_ptr() <= end - nbytes
-            ),
-            None,
-        )
+        if dst.numel() == 0:
+            return
+        if any(t.is_conj() or t.is_neg() for t in (dst, src)):
+            raise ConfigError("host_copy copies plain tensors: resolve a conjugate view first")
+        host = next((t for t in (dst, src) if _within(t, region.address, region.nbytes)), None)
         if host is None:
             raise ConfigError("host_copy needs one tensor to be a view of this region")
-        if nbytes == 0:
+        if not _dense(host):
+            dst.copy_(src, non_blocking=non_blocking)
             return
-        to, frm = (t.reshape(-1).view(torch.uint8) for t in (dst, src))
-        for lo, hi in chunk_pieces(host.data_ptr() - region.address, nbytes, self._chunk_bytes):
-            to[lo:hi].copy_(frm[lo:hi], non_blocking=non_blocking)
+        other = src if host is dst else dst
+        like = other
+        if other.stride() != host.stride():
+            like = torch.empty_strided(
+                host.shape, host.stride(), dtype=host.dtype, device=other.device
+            )
+        if like is not other and host is dst:
+            like.copy_(src, non_blocking=non_blocking)
+        to, frm = (host, like) if host is dst else (like, host)
+        to_bytes, frm_bytes = (
+            t.as_strided((t.numel(),), (1,)).view(torch.uint8) for t in (to, frm)
+        )
+        offset = host.data_ptr() - region.address
+        for lo, hi in chunk_pieces(offset, to_bytes.numel(), self._chunk_bytes):
+            _copy_piece(to_bytes[lo:hi], frm_bytes[lo:hi], non_blocking)
+        if like is not other and host is src:
+            dst.copy_(like, non_blocking=non_blocking)
 
     async def measure_hugepages(self) -> int:
         """Bytes of the region backed by huge pages, measured now in a worker thread
@@ -513,3 +523,30 @@ class OffloadManager:
             f"<OffloadManager #{self._id} {s.state} backend={s.backend} "
             f"pinned={s.pinned_bytes}/{s.nbytes} chunks={s.chunks_pinned}/{s.chunks_total}>"
         )
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one span of memory, each once (in any order of its
+    dimensions)."""
+    expected = 1
+    for size, stride in sorted(
+        ((n, st) for n, st in zip(t.shape, t.stride(), strict=True) if n != 1),
+        key=lambda dim: dim[1],
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _within(t: torch.Tensor, address: int, nbytes: int) -> bool:
+    """Whether every element of CPU tensor ``t`` lies in ``[address, address + nbytes)``."""
+    if t.device.type != "cpu":
+        return False
+    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1
+    return address <= t.data_ptr() and t.data_ptr() + extent * t.element_size() <= address + nbytes
+
+
+def _copy_piece(to: torch.Tensor, frm: torch.Tensor, non_blocking: bool) -> None:
+    """One piece of ``host_copy`` (within one chunk)."""
+    to.copy_(frm, non_blocking=non_blocking)

@@ -1,6 +1,6 @@
 """The KV arrays' memory while a manager is open: the engine copies to and from the
-addresses the arrays had when it opened, so a call after an array's storage was resized
-(moved) or freed (``resize_(0)``) is refused with ConfigError, nothing enqueued, on the
+addresses the arrays had when it opened, so a call that moves an array whose storage was
+resized (moved) or freed (``resize_(0)``) is refused with ConfigError, nothing enqueued, on the
 host engine and the CUDA engine alike (the ``cuda`` cases run with ``pytest -m cuda``).
 Before, the CUDA engine copied to and from the old addresses: freed memory, or memory
 torch's allocator had handed to another tensor."""

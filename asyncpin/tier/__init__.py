@@ -181,8 +181,10 @@ class LayerStore:
 
     def store_group(self, i: int) -> Transfer:
         """Queue group ``i``'s copy (once per group). Refused (nothing changed) off the
-        event loop's thread or for a bad ``i``; a closed manager or a copy that cannot be
-        queued aborts the store."""
+        event loop's thread, for a bad ``i``, for a group whose KV memory moved since
+        the open (ConfigError), or while the caller's stream captures a CUDA graph
+        (LifecycleError); a closed manager or a copy that cannot be queued aborts the
+        store."""
         if self._closed:
             raise InvalidTransferError("this layer-wise store is complete or aborted")
         if (
