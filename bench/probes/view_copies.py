@@ -95,7 +95,23 @@ async def _mode(own_context: bool) -> dict[str, str]:
 
         results["D2H strided rows across"] = _try(strided_store)
         results["H2D strided rows across"] = _try(strided_load)
-        del rows
+        # Dense with permuted dimensions (FlashInfer's HND blocks), across two chunks; the
+        # GPU tensor laid out alike (as empty_like or .to("cuda") give it).
+        hnd = mgr.host_view(CHUNK // 2, CHUNK).view(64, 16, CHUNK // 1024).permute(1, 0, 2)
+        gpu = torch.randint(0, 255, tuple(hnd.shape), dtype=torch.uint8).to("cuda")
+        gpu = torch.empty_like(hnd, device="cuda").copy_(gpu)
+
+        def hnd_store(v: torch.Tensor = hnd, g: torch.Tensor = gpu) -> Any:
+            v.copy_(g)
+            return lambda: torch.equal(v, g.cpu())
+
+        def hnd_host_copy(v: torch.Tensor = hnd, g: torch.Tensor = gpu) -> Any:
+            mgr.host_copy(v, g)
+            return lambda: torch.equal(v, g.cpu())
+
+        results["D2H permuted dense across"] = _try(hnd_store)
+        results["D2H host_copy permuted dense across"] = _try(hnd_host_copy)
+        del rows, hnd
     return results
 
 
