@@ -35,7 +35,7 @@ from asyncpin.errors import (
     PinError,
 )
 from asyncpin.gate import PausedContext, PauseGate
-from asyncpin.kv import KVLayout
+from asyncpin.kv import KVLayout, is_dense
 from asyncpin.pinning import PinnedSignal
 from asyncpin.region import Backing, HugePages, chunk_pieces
 from asyncpin.stats import ManagerStats
@@ -337,7 +337,7 @@ class OffloadManager:
         host = next((t for t in (dst, src) if _within(t, region.address, region.nbytes)), None)
         if host is None:
             raise ConfigError("host_copy needs one tensor to be a view of this region")
-        if not _dense(host):
+        if not is_dense(host):
             dst.copy_(src, non_blocking=non_blocking)
             return
         other = src if host is dst else dst
@@ -523,20 +523,6 @@ class OffloadManager:
             f"<OffloadManager #{self._id} {s.state} backend={s.backend} "
             f"pinned={s.pinned_bytes}/{s.nbytes} chunks={s.chunks_pinned}/{s.chunks_total}>"
         )
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill one span of memory, each once (in any order of its
-    dimensions)."""
-    expected = 1
-    for size, stride in sorted(
-        ((n, st) for n, st in zip(t.shape, t.stride(), strict=True) if n != 1),
-        key=lambda dim: dim[1],
-    ):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _within(t: torch.Tensor, address: int, nbytes: int) -> bool:
