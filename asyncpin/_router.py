@@ -221,12 +221,11 @@ class TransferRouter:
                 arrays = None
             else:
                 nbytes = layout.span(arrays)[1]
-        if not checked:
-            self.check_call(direction, arrays)
         # Destinations are distinct: no more ids than the destination has blocks.
         most = self.num_host_blocks if direction == "store" else layout.num_blocks
-        gpu = block_ids(gpu_ids, "gpu_block_ids", layout.num_blocks, most)
-        cpu = block_ids(cpu_ids, "cpu_block_ids", self.num_host_blocks, most)
+        why = f" (one to each {'host' if direction == 'store' else 'device'} block)"
+        gpu = block_ids(gpu_ids, "gpu_block_ids", layout.num_blocks, most, why)
+        cpu = block_ids(cpu_ids, "cpu_block_ids", self.num_host_blocks, most, why)
         if len(gpu) != len(cpu):
             raise InvalidTransferError(
                 f"gpu_block_ids has {len(gpu)} ids and cpu_block_ids {len(cpu)}"
@@ -238,16 +237,22 @@ class TransferRouter:
                 f"{'cpu' if direction == 'store' else 'gpu'}_block_ids has duplicate "
                 "destinations: the result would depend on copy order"
             )
+        if not checked:
+            self.check_call(direction, arrays, moves=bool(gpu))
         method = self.check_method(method)
         transfer = Transfer(direction, len(gpu), len(gpu) * nbytes)
         transfer.log = self._log  # the manager's, shielded: a raising done callback's
         return TransferJob(transfer, gpu, cpu, method, arrays, on_finish=_settle)
 
-    def check_call(self, direction: Direction, arrays: range | None = None) -> None:
+    def check_call(
+        self, direction: Direction, arrays: range | None = None, *, moves: bool = True
+    ) -> None:
         """What refuses a call whatever its ids: KV memory that moved (ConfigError; of
-        ``arrays`` only, when given), and a context the engine refuses (LifecycleError: a
-        CUDA graph capture on the caller's stream)."""
-        self._check_memory(arrays)
+        ``arrays`` only, when given; not for a call that ``moves`` no block), and a
+        context the engine refuses (LifecycleError: a CUDA graph capture on the caller's
+        stream)."""
+        if moves:
+            self._check_memory(arrays)
         if self._check_caller is not None:
             self._check_caller(direction)
 
@@ -265,11 +270,15 @@ class TransferRouter:
             storages = group
         for storage, was, array in storages:
             if storage.data_ptr() != was:
+                tensor, arrays_of = next(
+                    (t, r) for t, r in enumerate(self.layout.tensor_arrays) if array in r
+                )
                 raise ConfigError(
-                    f"KV array {array}'s memory moved since the manager opened (its storage "
-                    "was resized or freed): transfers copy to and from the addresses the "
-                    "arrays had then, so their memory must stay in place while the manager "
-                    "is open"
+                    f"KV tensor {tensor}'s memory moved since the manager opened (arrays "
+                    f"{arrays_of.start}-{arrays_of.stop - 1}; its storage was resized or "
+                    "freed): transfers copy to and from the addresses it had then. Keep "
+                    "the KV tensors in place while the manager is open, or close it and "
+                    "open one over the tensors as they are now"
                 )
 
     def _spans(self, cpu_ids: list[int]) -> Iterator[tuple[int, int]]:

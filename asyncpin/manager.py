@@ -334,9 +334,17 @@ class OffloadManager:
             return
         if any(t.is_conj() or t.is_neg() for t in (dst, src)):
             raise ConfigError("host_copy copies plain tensors: resolve a conjugate view first")
-        host = next((t for t in (dst, src) if _within(t, region.address, region.nbytes)), None)
-        if host is None:
+        inside = [_within(t, region.address, region.nbytes) for t in (dst, src)]
+        if not any(inside):
             raise ConfigError("host_copy needs one tensor to be a view of this region")
+        host = dst if inside[0] else src
+        if all(inside) and _overlap(dst, src):
+            if (dst.data_ptr(), dst.stride()) == (src.data_ptr(), src.stride()):
+                return  # the same elements: nothing to copy
+            raise ConfigError(
+                "host_copy between overlapping views of the region: the bytes would "
+                "depend on the copy's order"
+            )
         if not is_dense(host):
             dst.copy_(src, non_blocking=non_blocking)
             return
@@ -497,12 +505,17 @@ class OffloadManager:
         return router
 
     def _check_submit(
-        self, direction: Literal["store", "load"], method: Method, arrays: range | None = None
+        self,
+        direction: Literal["store", "load"],
+        method: Method,
+        arrays: range | None = None,
+        *,
+        moves: bool = True,
     ) -> None:
         """What ``store`` and ``load`` check before the ids (open, this thread, a KV
         layout, the method), for a caller that must know before it changes anything."""
         router = self._router(direction)
-        router.check_call(direction, arrays)
+        router.check_call(direction, arrays, moves=moves)
         router.check_method(method)
 
     @property
@@ -525,12 +538,23 @@ class OffloadManager:
         )
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` that a (non-empty) tensor's elements lie in."""
+    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
 def _within(t: torch.Tensor, address: int, nbytes: int) -> bool:
     """Whether every element of CPU tensor ``t`` lies in ``[address, address + nbytes)``."""
     if t.device.type != "cpu":
         return False
-    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1
-    return address <= t.data_ptr() and t.data_ptr() + extent * t.element_size() <= address + nbytes
+    start, end = _span(t)
+    return address <= start and end <= address + nbytes
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _copy_piece(to: torch.Tensor, frm: torch.Tensor, non_blocking: bool) -> None:

@@ -367,16 +367,22 @@ def _ints(values: list[Any], what: str) -> list[int]:
     return [operator.index(v) for v in values]  # NumPy's integer scalars, say
 
 
-def _too_many(what: str, count: int | None, max_len: int) -> InvalidTransferError:
+def _too_many(what: str, count: int | None, max_len: int, why: str) -> InvalidTransferError:
     many = f"{count} ids, more" if count is not None else "more ids"
     blocks = "block" if max_len == 1 else "blocks"
-    return InvalidTransferError(f"{what} has {many} than the {max_len} {blocks} this call can move")
+    return InvalidTransferError(
+        f"{what} has {many} than the {max_len} {blocks} this call can move{why}"
+    )
 
 
-def block_ids(ids: BlockIds, what: str, limit: int, max_len: int | None = None) -> list[int]:
+def block_ids(
+    ids: BlockIds, what: str, limit: int, max_len: int | None = None, why: str = ""
+) -> list[int]:
     """Validate a list of block ids: 1-D integers on the CPU (a sequence of ints, a CPU
     tensor or a NumPy array), all in ``[0, limit)``, and at most ``max_len`` of them
-    (told before any list is made of them: ``range(2**62)`` is refused, not built).
+    (told before any list is made of them: ``range(2**62)`` is refused, not built;
+    ``why`` says where that bound comes from). An empty tensor or array is no ids,
+    whatever its dtype (``np.array([])`` is float64).
 
     Returns a copy as a plain list (the caller may reuse its buffer at once). Plain Python
     keeps a small transfer's submission to a few microseconds; a torch op on a CPU tensor
@@ -385,7 +391,7 @@ def block_ids(ids: BlockIds, what: str, limit: int, max_len: int | None = None) 
         if ids.bound > limit:
             raise InvalidTransferError(f"{what} holds {ids.bound - 1}, outside [0, {limit})")
         if max_len is not None and len(ids) > max_len:
-            raise _too_many(what, len(ids), max_len)
+            raise _too_many(what, len(ids), max_len, why)
         return list(ids)
     if isinstance(ids, torch.Tensor):
         if ids.device.type != "cpu":
@@ -395,22 +401,26 @@ def block_ids(ids: BlockIds, what: str, limit: int, max_len: int | None = None) 
             )
         if ids.layout != torch.strided:
             raise InvalidTransferError(f"{what} must be a dense tensor, not {ids.layout}")
+        if ids.dim() == 1 and ids.shape[0] == 0:
+            return []
         if ids.dtype not in _INT_DTYPES:  # quantized ones too: tolist() cannot read them
             raise InvalidTransferError(f"{what} must be integers, got dtype {ids.dtype}")
         if ids.dim() != 1:
             raise InvalidTransferError(f"{what} must be 1-D, got shape {tuple(ids.shape)}")
         if max_len is not None and ids.shape[0] > max_len:
-            raise _too_many(what, ids.shape[0], max_len)
+            raise _too_many(what, ids.shape[0], max_len, why)
         values: list[int] = ids.tolist()
     elif not isinstance(ids, list | tuple) and _is_array(ids):  # lists: the hot path
         # A NumPy array (engines keep block tables in them): integer kinds only.
         array = cast(IntArray, ids)
+        if array.ndim == 1 and array.shape[0] == 0:
+            return []
         if getattr(array.dtype, "kind", "") not in ("i", "u"):
             raise InvalidTransferError(f"{what} must be integers, got dtype {array.dtype}")
         if array.ndim != 1:
             raise InvalidTransferError(f"{what} must be 1-D, got shape {tuple(array.shape)}")
         if max_len is not None and array.shape[0] > max_len:
-            raise _too_many(what, array.shape[0], max_len)
+            raise _too_many(what, array.shape[0], max_len, why)
         # Ints, but for a masked array's masked entries (None): checked as a list's are.
         values = _ints(array.tolist(), what)
     else:
@@ -424,12 +434,12 @@ def block_ids(ids: BlockIds, what: str, limit: int, max_len: int | None = None) 
                 listed = list(cast(Sequence[int], ids))
             elif isinstance(ids, list | tuple):  # the hot path: its length is known
                 if len(ids) > max_len:
-                    raise _too_many(what, len(ids), max_len)
+                    raise _too_many(what, len(ids), max_len, why)
                 listed = list(ids)
             else:  # a range, a generator: no more than one id too many is made
                 listed = list(itertools.islice(cast(Iterable[int], ids), max_len + 1))
                 if len(listed) > max_len:
-                    raise _too_many(what, None, max_len)
+                    raise _too_many(what, None, max_len, why)
             values = _ints(listed, what)
         except TypeError:
             raise InvalidTransferError(f"{what} must be a sequence of ints or a tensor") from None

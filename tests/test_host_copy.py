@@ -95,10 +95,13 @@ async def test_what_it_cannot_copy_is_refused() -> None:
                 ),
                 (torch.zeros(8, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8), "view of"),
                 (view, [0] * 4, "not list"),
+                (mgr.host_view(512, CHUNK), mgr.host_view(0, CHUNK), "overlapping"),
             ):
                 with pytest.raises(ConfigError, match=words):
                     mgr.host_copy(dst, src)  # type: ignore[arg-type]
             assert torch.equal(view, before)  # nothing copied
+            mgr.host_copy(mgr.host_view(3 * CHUNK, 64), mgr.host_view(0, 64))  # apart: fine
+            assert torch.equal(mgr.host_view(3 * CHUNK, 64), mgr.host_view(0, 64))
             del view
         with pytest.raises(anyio.ClosedResourceError):
             mgr.host_copy(torch.zeros(1), torch.zeros(1))

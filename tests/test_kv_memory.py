@@ -43,9 +43,9 @@ def _counts(mgr: OffloadManager) -> tuple[int, int, int]:
     return stats.transfers_stored, stats.transfers_loaded, stats.transfers_in_flight
 
 
-@pytest.mark.parametrize(("how", "layer", "array"), [("moved", 1, 2), ("freed", 0, 0)])
+@pytest.mark.parametrize(("how", "layer", "arrays"), [("moved", 1, "2-3"), ("freed", 0, "0-1")])
 async def test_a_call_after_an_arrays_memory_moved_is_refused(
-    device: torch.device, how: str, layer: int, array: int
+    device: torch.device, how: str, layer: int, arrays: str
 ) -> None:
     layout, kv = _layout(device)
     with anyio.fail_after(TIMEOUT_S):
@@ -62,13 +62,14 @@ async def test_a_call_after_an_arrays_memory_moved_is_refused(
             for call in (
                 lambda: mgr.store([4], [2]),
                 lambda: mgr.load([0], [5]),
-                lambda: mgr.store([], []),
                 lambda: tier.store([12], [6]),
                 lambda: tier.load([11], [7]),
             ):
-                with pytest.raises(ConfigError, match=f"KV array {array}'s memory moved"):
+                with pytest.raises(ConfigError, match=f"KV tensor {layer}'s memory moved") as info:
                     call()
+                assert f"arrays {arrays}" in str(info.value) and "close it" in str(info.value)
             assert _counts(mgr) == before
+            await mgr.store([], [])  # moves no block: nothing to refuse
             assert 12 not in tier.index and tier.lookup([11]) == 1  # the index unchanged
         assert mgr.stats().transfers_failed == 0
 
@@ -88,7 +89,7 @@ async def test_a_layer_wise_store_checks_each_group_and_survives_a_refusal(
             storage = kv[0].untyped_storage()
             storage.resize_(storage.nbytes() * 2)
             for _ in range(2):
-                with pytest.raises(ConfigError, match="KV array 0's memory moved"):
+                with pytest.raises(ConfigError, match="KV tensor 0's memory moved"):
                     store.store_group(0)
             assert store.transfers == [None, None]
             await store.store_group(1)  # layer 1's memory is where it was

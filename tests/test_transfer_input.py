@@ -195,6 +195,17 @@ class TestBadTransferInput:
         fallbacks = [e for e in logs if e["event"] == "transfer.method_fallback"]
         assert [(e["requested"], e["fallback"]) for e in fallbacks] == [(method, "auto")]
 
+    async def test_empty_ids_of_any_dtype_are_no_ids(self, gen: torch.Generator) -> None:
+        # np.array([]) is float64 and torch.tensor([]) float32: no ids all the same.
+        layout = small_kv(gen)
+        with anyio.fail_after(TIMEOUT_S):
+            async with small_manager(layout, FakeBackend()) as mgr:
+                await mgr.pinned
+                for gpu, cpu in ((np.array([]), torch.tensor([])), ([], np.array([]))):
+                    transfer = mgr.store(gpu, cpu)
+                    await transfer
+                    assert transfer.num_blocks == 0 and transfer.nbytes == 0
+
     async def test_ids_too_large_for_int64_are_refused(self, gen: torch.Generator) -> None:
         layout = small_kv(gen)
         with anyio.fail_after(TIMEOUT_S):

@@ -198,7 +198,7 @@ class LayerStore:
         manager._life.check_loop_thread("store_group")
         if manager.state is ManagerState.OPEN:  # (a closed one aborts the store, below)
             # Refused, nothing changed, as off the thread: the group may go later.
-            manager._check_submit("store", self._method, group)
+            manager._check_submit("store", self._method, group, moves=bool(self._gpu))
         try:
             transfer = manager._submit(
                 "store", self._gpu, self._host, self._method, group, checked=True
@@ -924,7 +924,9 @@ class KVTier:
             raise InvalidTransferError(
                 f"{len(keys)} hashes and {count} gpu_block_ids: one device block a hash"
             )
-        gpu = block_ids(gpu_block_ids, "gpu_block_ids", self._num_blocks, len(keys))
+        gpu = block_ids(
+            gpu_block_ids, "gpu_block_ids", self._num_blocks, len(keys), " (one a hash)"
+        )
         if len(gpu) != len(keys):
             raise InvalidTransferError(
                 f"{len(keys)} hashes and {len(gpu)} gpu_block_ids: one device block a hash"
@@ -933,5 +935,5 @@ class KVTier:
             raise InvalidTransferError(
                 "gpu_block_ids has duplicate destinations: the result would depend on copy order"
             )
-        self.manager._check_submit(direction, method)
+        self.manager._check_submit(direction, method, moves=bool(keys))
         return keys, gpu
