@@ -863,15 +863,17 @@ async def _in_parts_of_4(
 
 def _second_part_first(store: Any, first_key: str, second_key: str) -> threading.Event:
     """``store.readinto`` made to read the part starting at ``second_key`` before the one
-    starting at ``first_key`` is read (the first waits for it, 5 s at most): returns the
-    event set once the second part's read is over, which is set in time only if the
-    two parts are read at once."""
+    starting at ``first_key`` is read (the first waits for it, as long as a test may
+    run: 5 s was not always enough on a loaded 2-core machine, and the parts were then
+    read one after the other, on one connection): returns the event set once the
+    second part's read is over. Parts read one at a time never set it in time, and the
+    test's own time limit fails them."""
     real: Callable[..., list[int | None]] = store.readinto
     second_read = threading.Event()
 
     def ordered(keys: Any, into: Any, **kwargs: Any) -> list[int | None]:
         if keys[0] == first_key:
-            second_read.wait(5)
+            second_read.wait(TIMEOUT_S)
         try:
             return real(keys, into, **kwargs)
         finally:
