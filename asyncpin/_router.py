@@ -270,15 +270,15 @@ class TransferRouter:
             storages = group
         for storage, was, array in storages:
             if storage.data_ptr() != was:
-                tensor, arrays_of = next(
-                    (t, r) for t, r in enumerate(self.layout.tensor_arrays) if array in r
-                )
+                found = [(t, r) for t, r in enumerate(self.layout.tensor_arrays) if array in r]
+                tensor, of = found[0] if found else (None, range(array, array + 1))
+                which = f"array {of.start}" if len(of) == 1 else f"arrays {of.start}-{of.stop - 1}"
+                what = f"KV tensor {tensor}" if tensor is not None else f"KV {which}"
                 raise ConfigError(
-                    f"KV tensor {tensor}'s memory moved since the manager opened (arrays "
-                    f"{arrays_of.start}-{arrays_of.stop - 1}; its storage was resized or "
-                    "freed): transfers copy to and from the addresses it had then. Keep "
-                    "the KV tensors in place while the manager is open, or close it and "
-                    "open one over the tensors as they are now"
+                    f"{what}'s memory moved since the manager opened ({which}; its storage "
+                    "was resized or freed): transfers copy to and from the addresses it "
+                    "had then. Keep the KV tensors in place while the manager is open, or "
+                    "close it and open one over the tensors as they are now"
                 )
 
     def _spans(self, cpu_ids: list[int]) -> Iterator[tuple[int, int]]:
