@@ -559,8 +559,14 @@ class KVTier:
         keys, gpu = self._checked("store", hashes, gpu_block_ids, method)
         plan = self.index.begin_store(keys)
         try:
-            transfer = self.manager.store(
-                [gpu[i] for i in plan.positions], list(plan.host_blocks), method=method
+            # check_call passed in _checked: not again on this path.
+            transfer = self.manager._submit(
+                "store",
+                [gpu[i] for i in plan.positions],
+                list(plan.host_blocks),
+                method,
+                None,
+                checked=True,
             )
         except BaseException:
             self.index.end_store(plan, ok=False)
@@ -580,7 +586,7 @@ class KVTier:
         keys, gpu = self._checked("load", hashes, gpu_block_ids, method)
         host = self.index.begin_load(keys)
         try:
-            transfer = self.manager.load(host, gpu, method=method)
+            transfer = self.manager._submit("load", gpu, host, method, None, checked=True)
         except BaseException:
             self.index.end_load(keys, host)
             raise
