@@ -92,6 +92,10 @@ class TransferRouter:
         self._prepared = False
         self._engine_error: BaseException | None = None
         self._unprepared: deque[TransferJob] = deque()
+        # Jobs waiting for their chunks to pin, in submission order, and whether the task
+        # that queues them as their chunks pin runs.
+        self._waiting: deque[tuple[TransferJob, list[int]]] = deque()
+        self._dispatching = False
         self._pageable_early = bool(getattr(engine, "pageable_before_prepare", False))
         # The KV arrays' memory as of the open, when the engine took its addresses: a
         # storage resized since (or freed, resize_(0)) would have it copy to and from
@@ -202,7 +206,10 @@ class TransferRouter:
             self._enqueue(job, pageable=True)
         else:
             self.counts.waited += 1
-            self._start_soon(self._enqueue_when_pinned, job, needed)
+            self._waiting.append((job, needed))
+            if not self._dispatching:
+                self._start_soon(self._enqueue_when_pinned)
+                self._dispatching = True
 
     def _validated(
         self,
@@ -348,26 +355,46 @@ class TransferRouter:
             transfer._finish(error)
             raise error from exc
 
-    async def _enqueue_when_pinned(self, job: TransferJob, chunks: list[int]) -> None:
+    async def _enqueue_when_pinned(self) -> None:
+        """Queue each waiting job once its chunks are pinned, or fail it once the pipeline
+        stopped short of them. One task for all, so that jobs whose chunks pin at once go
+        in submission order, whatever order the event loop wakes tasks in."""
+        waiting, table = self._waiting, self._table
         try:
-            missing = await self._table.wait_pinned(chunks)
-            if missing is not None:
-                reason = self._table.error
-                transfer = job.transfer
-                error = TransferError(
-                    f"host chunk {missing} of this {transfer.direction} will not be pinned: "
-                    + ("pinning failed" if reason else "the manager closed"),
-                    direction=transfer.direction,
-                )
-                error.__cause__ = reason
-                transfer._finish(error)
-                return
-            self._enqueue(job, pageable=False)
-        except TransferError:
-            return  # reported through the handle
+            while waiting:
+                # A snapshot: a done callback may submit more, which join the queue's end.
+                batch = list(waiting)
+                waiting.clear()
+                kept = []
+                for job, chunks in batch:
+                    missing = table.missing(chunks)
+                    if missing is None:
+                        with contextlib.suppress(TransferError):  # reported through the handle
+                            self._enqueue(job, pageable=False)
+                    elif table.stopped:
+                        self._fail_unpinned(job, missing)
+                    else:
+                        kept.append((job, chunks))
+                waiting.extendleft(reversed(kept))
+                if waiting and not table.stopped:
+                    await table.progressed()
         except BaseException as exc:
-            job.finish(interrupted(exc))
+            while waiting:
+                waiting.popleft()[0].finish(interrupted(exc))
             raise
+        finally:
+            self._dispatching = False
+
+    def _fail_unpinned(self, job: TransferJob, missing: int) -> None:
+        reason = self._table.error
+        transfer = job.transfer
+        error = TransferError(
+            f"host chunk {missing} of this {transfer.direction} will not be pinned: "
+            + ("pinning failed" if reason else "the manager closed"),
+            direction=transfer.direction,
+        )
+        error.__cause__ = reason
+        transfer._finish(error)
 
 
 def _codes(error: BaseException) -> dict[str, Any]:

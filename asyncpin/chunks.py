@@ -124,14 +124,13 @@ class ChunkTable:
             needed.update(self.chunks_of(offset, nbytes))
         return sorted(i for i in needed if not self.is_pinned(i))
 
-    async def wait_pinned(self, indices: list[int]) -> int | None:
-        """Wait until every chunk of ``indices`` is pinned (returns None), or until the
-        pipeline has stopped short of one: returns that chunk's index (``error`` says
-        why; None when the manager closed)."""
-        while missing := [i for i in indices if not self.is_pinned(i)]:
-            if self._stopped:
-                return missing[0]
-            if self._progress is None:
-                self._progress = anyio.Event()
-            await self._progress.wait()
-        return None
+    def missing(self, indices: list[int]) -> int | None:
+        """The first chunk of ``indices`` not pinned yet, or None."""
+        return next((i for i in indices if not self.is_pinned(i)), None)
+
+    async def progressed(self) -> None:
+        """Returns at the pipeline's next progress signal (a pin call returned, or the
+        pipeline stopped: ``stopped``)."""
+        if self._progress is None:
+            self._progress = anyio.Event()
+        await self._progress.wait()

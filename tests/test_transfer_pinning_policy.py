@@ -41,6 +41,8 @@ from tests.kit import (
 )
 
 pytestmark = pytest.mark.anyio
+ROUNDS = 6  # managers, each with its transfers waiting for one chunk
+WAITERS = 6  # transfers waiting for that chunk
 
 
 class TestTransfersDuringPinning:
@@ -152,6 +154,38 @@ class TestTransfersDuringPinning:
                     stats = mgr.stats()
                     assert stats.transfers_waited_for_pinning == 0
                     assert stats.chunks_pinned == 0
+
+    @pytest.mark.parametrize("direction", ["store", "load"])
+    async def test_transfers_waiting_for_one_chunk_go_in_submission_order(
+        self, direction: Direction, gen: torch.Generator
+    ) -> None:
+        """Transfers of one direction that wait for the same chunk are queued when it pins
+        in submission order, so the last one to a block wins, whatever order the event
+        loop wakes its tasks in (trio reverses a batch of woken tasks half of the time,
+        so each of the rounds would fail with even odds if they waited one task each)."""
+        layout = small_kv(gen)
+        for _ in range(ROUNDS):
+            backend = FakeBackend(inner=HostBackend(), stall_pin_at=STALL_AT)
+            with anyio.fail_after(TIMEOUT_S):
+                async with small_manager(layout, backend) as mgr:
+                    with releasing(backend):
+                        await wait_thread_event(backend.stalled)
+                        randomize_host(mgr, gen)
+                        model = KVModel(mgr, layout)
+                        # Each one copies a block of its own to the same destination.
+                        many = chunk_ids(layout, STALL_AT, WAITERS)
+                        one = [many[0]] if direction == "store" else [7]
+                        sources = many if direction == "load" else [7 + i for i in range(WAITERS)]
+                        transfers = []
+                        for source in sources:
+                            gpu, cpu = ([source], one) if direction == "store" else (one, [source])
+                            transfers.append(submit(mgr, direction, gpu, cpu))
+                            model.apply(direction, gpu, cpu)
+                        assert mgr.stats().transfers_waited_for_pinning == WAITERS
+                        backend.release()
+                        for transfer in transfers:
+                            await transfer
+                        model.check()
 
 
 class TestFailedPin:
