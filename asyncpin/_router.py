@@ -9,17 +9,19 @@ only: it never looks into the pipeline itself.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, cast, get_args
 
 import anyio
+import anyio.lowlevel
 import torch
 
 from asyncpin._config import UnpinnedPolicy
 from asyncpin._text import shown
 from asyncpin.abc import TransferEngine
-from asyncpin.chunks import ChunkTable
+from asyncpin.chunks import ChunkState, ChunkTable
 from asyncpin.errors import ConfigError, InvalidTransferError, TransferError
 from asyncpin.kv import KVLayout
 from asyncpin.region import HostRegion
@@ -40,6 +42,10 @@ METHODS: tuple[str, ...] = get_args(Method)
 __all__ = ["TransferCounts", "TransferRouter"]
 
 Ids = BlockIds
+
+_PINNED = ChunkState.PINNED
+#: A job waiting for its host chunks: the job, those chunks, its submitter's context.
+_Waiting = tuple[TransferJob, list[int], contextvars.Context]
 
 
 class TransferCounts:
@@ -92,9 +98,9 @@ class TransferRouter:
         self._prepared = False
         self._engine_error: BaseException | None = None
         self._unprepared: deque[TransferJob] = deque()
-        # Jobs waiting for their chunks to pin, in submission order, and whether the task
-        # that queues them as their chunks pin runs.
-        self._waiting: deque[tuple[TransferJob, list[int]]] = deque()
+        # Jobs waiting for their chunks to pin, in submission order (each with the chunks
+        # and its submitter's context), and whether the task that queues them runs.
+        self._waiting: deque[_Waiting] = deque()
         self._dispatching = False
         self._pageable_early = bool(getattr(engine, "pageable_before_prepare", False))
         # The KV arrays' memory as of the open, when the engine took its addresses: a
@@ -206,7 +212,7 @@ class TransferRouter:
             self._enqueue(job, pageable=True)
         else:
             self.counts.waited += 1
-            self._waiting.append((job, needed))
+            self._waiting.append((job, needed, contextvars.copy_context()))
             if not self._dispatching:
                 self._start_soon(self._enqueue_when_pinned)
                 self._dispatching = True
@@ -357,33 +363,51 @@ class TransferRouter:
 
     async def _enqueue_when_pinned(self) -> None:
         """Queue each waiting job once its chunks are pinned, or fail it once the pipeline
-        stopped short of them. One task for all, so that jobs whose chunks pin at once go
-        in submission order, whatever order the event loop wakes tasks in."""
+        stopped short of them; each in its submitter's context. One task for all, judging
+        a batch by one look at the table, so that jobs whose chunks are pinned by the same
+        time go in submission order: whatever order the event loop wakes tasks in, and
+        even if a pin thread marks a chunk while the batch is handled."""
         waiting, table = self._waiting, self._table
+        batch: deque[_Waiting] = deque()
+        kept: list[_Waiting] = []
         try:
             while waiting:
-                # A snapshot: a done callback may submit more, which join the queue's end.
-                batch = list(waiting)
+                # Done callbacks may submit more meanwhile: they join the queue's end.
+                batch.extend(waiting)
                 waiting.clear()
-                kept = []
-                for job, chunks in batch:
-                    missing = table.missing(chunks)
+                stopped = table.stopped
+                states = table.states()
+                while batch:
+                    job, chunks, context = batch[0]
+                    missing = next((i for i in chunks if states[i] is not _PINNED), None)
                     if missing is None:
-                        with contextlib.suppress(TransferError):  # reported through the handle
-                            self._enqueue(job, pageable=False)
-                    elif table.stopped:
-                        self._fail_unpinned(job, missing)
+                        context.run(self._enqueue_pinned, job)
+                    elif stopped:
+                        context.run(self._fail_unpinned, job, missing)
                     else:
-                        kept.append((job, chunks))
+                        kept.append(batch[0])
+                    batch.popleft()
                 waiting.extendleft(reversed(kept))
-                if waiting and not table.stopped:
+                kept.clear()
+                if not waiting:
+                    break
+                if table.stopped:
+                    # Submitted by a done callback after the pipeline stopped: failed on
+                    # the next pass, after the loop has run the others.
+                    await anyio.lowlevel.checkpoint()
+                else:
                     await table.progressed()
         except BaseException as exc:
-            while waiting:
-                waiting.popleft()[0].finish(interrupted(exc))
+            for job, _, _ in (*kept, *batch, *waiting):
+                job.finish(interrupted(exc))  # a finished one stays as it is
+            waiting.clear()
             raise
         finally:
             self._dispatching = False
+
+    def _enqueue_pinned(self, job: TransferJob) -> None:
+        with contextlib.suppress(TransferError):  # reported through the handle
+            self._enqueue(job, pageable=False)
 
     def _fail_unpinned(self, job: TransferJob, missing: int) -> None:
         reason = self._table.error

@@ -124,10 +124,6 @@ class ChunkTable:
             needed.update(self.chunks_of(offset, nbytes))
         return sorted(i for i in needed if not self.is_pinned(i))
 
-    def missing(self, indices: list[int]) -> int | None:
-        """The first chunk of ``indices`` not pinned yet, or None."""
-        return next((i for i in indices if not self.is_pinned(i)), None)
-
     async def progressed(self) -> None:
         """Returns at the pipeline's next progress signal (a pin call returned, or the
         pipeline stopped: ``stopped``)."""

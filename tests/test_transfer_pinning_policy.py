@@ -12,6 +12,10 @@ hanging a shielded close. Every test runs on asyncio and on trio.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import threading
+
 import anyio
 import anyio.from_thread
 import anyio.to_thread
@@ -24,7 +28,10 @@ from asyncpin import (
     TransferError,
     _sys,
 )
+from asyncpin.chunks import ChunkState, ChunkTable
+from asyncpin.engines.host import HostTransferEngine
 from asyncpin.testing import FakeBackend
+from asyncpin.transfers import Transfer, TransferJob
 from tests.helpers import TIMEOUT_S, releasing, wait_thread_event
 from tests.kit import (
     PAGE,
@@ -43,6 +50,13 @@ from tests.kit import (
 pytestmark = pytest.mark.anyio
 ROUNDS = 6  # managers, each with its transfers waiting for one chunk
 WAITERS = 6  # transfers waiting for that chunk
+J_GPU = 20  # the device block of the transfer handed to the engine while a chunk pins
+MANY_TRIES = 50  # resubmissions a callback makes at most while another task waits to run
+CLIENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("CLIENT", default=None)
+
+
+class Interrupt(BaseException):
+    """Not an Exception: what a done callback may raise that is not caught as one."""
 
 
 class TestTransfersDuringPinning:
@@ -186,6 +200,158 @@ class TestTransfersDuringPinning:
                         for transfer in transfers:
                             await transfer
                         model.check()
+
+
+class TestWaitingQueue:
+    """The transfers that wait for pinning are queued by one task, in submission order,
+    each in its submitter's context; whatever happens meanwhile, each is finished."""
+
+    async def test_a_chunk_pinned_while_a_batch_is_queued_keeps_the_order(
+        self, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Stores A and B to one block wait for chunk X, J between them for another chunk.
+        J's chunk pins first; while J is handed to the engine, X pins (forced: X's pin
+        waits for J's submit, which waits for X to be marked). B must not go before A."""
+        layout = small_kv(gen)
+        x = STALL_AT + 1
+        j_submitting, x_pinned = threading.Event(), threading.Event()
+
+        def before_pin(n: int, address: int, nbytes: int) -> None:
+            if n == x:  # one pin thread, chunks in index order: the n-th pin is chunk n
+                assert j_submitting.wait(TIMEOUT_S)
+
+        mark = ChunkTable.mark
+
+        def marked(table: ChunkTable, index: int, state: ChunkState) -> None:
+            mark(table, index, state)
+            if index == x and state is ChunkState.PINNED:
+                x_pinned.set()
+
+        submit_to_engine = HostTransferEngine.submit
+
+        def held(engine: HostTransferEngine, job: TransferJob, *, pageable: bool) -> None:
+            if job.gpu_ids == [J_GPU]:
+                j_submitting.set()
+                assert x_pinned.wait(TIMEOUT_S)
+            submit_to_engine(engine, job, pageable=pageable)
+
+        monkeypatch.setattr(ChunkTable, "mark", marked)
+        monkeypatch.setattr(HostTransferEngine, "submit", held)
+        backend = FakeBackend(inner=HostBackend(), stall_pin_at=STALL_AT, before_pin=before_pin)
+        with anyio.fail_after(TIMEOUT_S):
+            async with small_manager(layout, backend) as mgr:
+                with releasing(backend):
+                    await wait_thread_event(backend.stalled)
+                    randomize_host(mgr, gen)
+                    model = KVModel(mgr, layout)
+                    block = chunk_ids(layout, x, 1)
+                    transfers = []
+                    for gpu, cpu in (
+                        ([7], block),
+                        ([J_GPU], chunk_ids(layout, STALL_AT, 1)),
+                        ([8], block),
+                    ):
+                        transfers.append(mgr.store(gpu, cpu))
+                        model.store(gpu, cpu)
+                    assert mgr.stats().transfers_waited_for_pinning == 3
+                    backend.release()
+                    for transfer in transfers:
+                        await transfer
+                    assert j_submitting.is_set() and x_pinned.is_set()
+                    model.check()  # B, submitted last, won
+
+    async def test_a_callback_that_raises_leaves_no_transfer_unfinished(
+        self, gen: torch.Generator, anyio_backend: str
+    ) -> None:
+        """A done callback that raises a BaseException (not caught for it, as for an
+        Exception) ends the queuing task: the transfers of its batch still finish."""
+        if anyio_backend == "trio":
+            pytest.skip("a BaseException out of one of trio's system tasks ends the run")
+        layout = small_kv(gen)
+        backend = FakeBackend(stall_pin_at=STALL_AT, fail_pin_at=STALL_AT)
+
+        def raising(_: Transfer) -> None:
+            raise Interrupt("raised by a done callback")
+
+        with anyio.fail_after(TIMEOUT_S):
+            async with small_manager(layout, backend) as mgr:
+                with releasing(backend):
+                    await wait_thread_event(backend.stalled)
+                    ids = chunk_ids(layout, STALL_AT, 3)
+                    first, *others = (mgr.store([i], [h]) for i, h in enumerate(ids))
+                    first.add_done_callback(raising)
+                    backend.release()
+                    with pytest.raises(TransferError):
+                        await first
+                    with anyio.move_on_after(TIMEOUT_S / 3):  # a bound: they finish at once
+                        for transfer in others:
+                            with contextlib.suppress(anyio.ClosedResourceError):
+                                await transfer  # interrupted by the raise
+                    stranded = [transfer for transfer in others if not transfer.done()]
+                    for transfer in stranded:  # else the close would wait for them
+                        transfer._finish(RuntimeError("never finished"))
+                    assert not stranded, f"{len(stranded)} of {len(others)} never finished"
+                    for transfer in others:
+                        assert isinstance(transfer.error, anyio.ClosedResourceError)
+                assert mgr.stats().transfers_in_flight == 0
+
+    async def test_a_callback_that_resubmits_lets_the_loop_run(self, gen: torch.Generator) -> None:
+        """A done callback that submits again a transfer failed by a pin that failed: each
+        new one fails in turn, and the event loop runs other tasks in between."""
+        layout = small_kv(gen)
+        backend = FakeBackend(stall_pin_at=STALL_AT, fail_pin_at=STALL_AT)
+        failed, other_ran = anyio.Event(), anyio.Event()
+        tries = 0
+
+        def again(transfer: Transfer) -> None:
+            nonlocal tries
+            tries += 1
+            failed.set()
+            if transfer.error is not None and not other_ran.is_set() and tries < MANY_TRIES:
+                mgr.store([0], block).add_done_callback(again)
+
+        async def other() -> None:
+            await failed.wait()
+            other_ran.set()
+
+        with anyio.fail_after(TIMEOUT_S):
+            async with small_manager(layout, backend) as mgr:
+                with releasing(backend):
+                    await wait_thread_event(backend.stalled)
+                    block = chunk_ids(layout, STALL_AT, 1)
+                    mgr.store([0], block).add_done_callback(again)
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(other)  # runs once the first has failed
+                        backend.release()
+                assert tries < MANY_TRIES, "the loop ran nothing else while they failed"
+
+    async def test_each_waiting_transfer_is_queued_in_its_submitters_context(
+        self, gen: torch.Generator
+    ) -> None:
+        layout = small_kv(gen)
+        backend = FakeBackend(stall_pin_at=STALL_AT, fail_pin_at=STALL_AT)
+        seen: dict[str, str | None] = {}
+        with anyio.fail_after(TIMEOUT_S):
+            async with small_manager(layout, backend) as mgr:
+                with releasing(backend):
+                    await wait_thread_event(backend.stalled)
+                    ids = chunk_ids(layout, STALL_AT, 2)
+                    transfers: list[Transfer] = []
+
+                    async def client(name: str, i: int) -> None:
+                        CLIENT.set(name)
+                        transfer = mgr.store([i], [ids[i]])
+                        transfer.add_done_callback(lambda _: seen.__setitem__(name, CLIENT.get()))
+                        transfers.append(transfer)
+
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(client, "a", 0)
+                        tg.start_soon(client, "b", 1)
+                    backend.release()
+                    for transfer in transfers:
+                        with pytest.raises(TransferError):
+                            await transfer
+        assert seen == {"a": "a", "b": "b"}
 
 
 class TestFailedPin:
