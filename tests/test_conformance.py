@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import functools
 import gc
 import threading
@@ -30,6 +31,7 @@ from asyncpin import KVLayout
 from asyncpin.abc import EngineSetup
 from asyncpin.backends import HostBackend
 from asyncpin.engines.host import HostTransferEngine
+from asyncpin.errors import BackendCallError
 from asyncpin.region import round_to_pages
 from asyncpin.testing import (
     FakeBackend,
@@ -39,6 +41,8 @@ from asyncpin.testing import (
 )
 from asyncpin.transfers import Direction, Method, Transfer, TransferJob, host_blocks_view
 from tests.layouts import CASES, build
+
+ROUNDS = 6  # checks run again, for an order that would hold by chance
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -155,6 +159,25 @@ class PlainOSErrors(HostBackend):
             raise OSError(exc.errno, "mlock failed") from None
 
 
+class RecordsPins(HostBackend):
+    __slots__ = ("addresses",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.addresses: list[int] = []
+
+    def pin(self, address: int, nbytes: int) -> None:
+        self.addresses.append(address)
+        super().pin(address, nbytes)
+
+
+class RefusesEveryPin(HostBackend):
+    __slots__ = ()
+
+    def pin(self, address: int, nbytes: int) -> None:
+        raise BackendCallError("pin", errno.ENOMEM, "ENOMEM", "refused")
+
+
 class TestPinBackendCheckFails:
     """check_pin_backend raises AssertionError on a backend that breaks the contract."""
 
@@ -176,6 +199,21 @@ class TestPinBackendCheckFails:
         check = functools.partial(check_pin_backend, is_pinned=lambda address, nbytes: False)
         with pytest.raises(AssertionError, match="is not pinned"):
             run(check, anyio_backend, HostBackend())
+
+    def test_the_same_span_is_named_and_pins_go_in_order(self, anyio_backend: str) -> None:
+        """With one pin thread the spans are pinned in address order, and of spans that
+        all fail the first is named, on every loop (trio runs a batch of woken tasks in
+        reversed order half of the time: each round would fail with even odds if the
+        order were the tasks')."""
+        check = functools.partial(check_pin_backend, pin_threads=1, nbytes=1 << 20)
+        for _ in range(ROUNDS):
+            recording = RecordsPins()
+            in_quarters = functools.partial(check, chunk_bytes=1 << 18, unmapped_fails=False)
+            run(in_quarters, anyio_backend, recording)
+            assert len(recording.addresses) == 4
+            assert recording.addresses == sorted(recording.addresses)
+            with pytest.raises(AssertionError, match=r"\(offset 0, "):
+                run(check, anyio_backend, RefusesEveryPin())
 
 
 class TestTransferEngineConformance:

@@ -85,7 +85,6 @@ async def check_pin_backend(
     chunks = region.chunks(span)
     pinned: list[Chunk] = []
     leaked: list[Chunk] = []
-    limiter = anyio.CapacityLimiter(pin_threads)
     try:
         try:
             validate_hooks(backend)
@@ -97,10 +96,10 @@ async def check_pin_backend(
 
         async def pin(chunk: Chunk) -> None:
             address = region.address + chunk.offset
-            await anyio.to_thread.run_sync(backend.pin, address, chunk.nbytes, limiter=limiter)
+            await anyio.to_thread.run_sync(backend.pin, address, chunk.nbytes)
             pinned.append(chunk)
 
-        await _each(name, "pin of a valid span of at most max_pin_bytes", pin, chunks)
+        await _each(name, "pin of a valid span of at most max_pin_bytes", pin, chunks, pin_threads)
         total = sum(chunk.nbytes for chunk in chunks)
         if counting:
             grown = _sys.vm_locked_bytes() - baseline
@@ -121,7 +120,7 @@ async def check_pin_backend(
         async def unpin(chunk: Chunk) -> None:
             try:
                 await anyio.to_thread.run_sync(
-                    backend.unpin, region.address + chunk.offset, chunk.nbytes, limiter=limiter
+                    backend.unpin, region.address + chunk.offset, chunk.nbytes
                 )
             except Exception:
                 pinned.remove(chunk)
@@ -132,7 +131,7 @@ async def check_pin_backend(
         error = await anyio.to_thread.run_sync(call_hook, backend, "before_unpin")
         if error is not None:
             raise AssertionError(f"{name}: before_unpin() raised {error!r} with spans pinned")
-        await _each(name, "unpin of a pinned span", unpin, list(pinned))
+        await _each(name, "unpin of a pinned span", unpin, list(pinned), pin_threads)
         if counting:
             left = _sys.vm_locked_bytes() - baseline
             if left:
@@ -160,23 +159,31 @@ async def check_pin_backend(
 
 
 async def _each(
-    name: str, what: str, call: Callable[[Chunk], Awaitable[None]], chunks: Sequence[Chunk]
+    name: str,
+    what: str,
+    call: Callable[[Chunk], Awaitable[None]],
+    chunks: Sequence[Chunk],
+    workers: int,
 ) -> None:
-    """Run ``call`` on every chunk at once; raise AssertionError for the first chunk on
-    which it raised (``what``: the call)."""
+    """Run ``call`` on every chunk, ``workers`` at a time, each worker taking the next
+    chunk in order (so one worker goes in address order, whatever order the event loop
+    wakes tasks in); raise AssertionError for the first chunk on which it raised
+    (``what``: the call)."""
     failures: list[tuple[Chunk, Exception]] = []
+    left = iter(chunks)
 
-    async def one(chunk: Chunk) -> None:
-        try:
-            await call(chunk)
-        except Exception as exc:
-            failures.append((chunk, exc))
+    async def worker() -> None:
+        for chunk in left:
+            try:
+                await call(chunk)
+            except Exception as exc:
+                failures.append((chunk, exc))
 
     async with anyio.create_task_group() as tg:
-        for chunk in chunks:
-            tg.start_soon(one, chunk)
+        for _ in range(min(workers, len(chunks))):
+            tg.start_soon(worker)
     if failures:
-        chunk, exc = failures[0]
+        chunk, exc = min(failures, key=lambda failure: failure[0].offset)
         raise AssertionError(
             f"{name}: {what} (offset {chunk.offset}, {chunk.nbytes} bytes) raised {exc!r}"
         ) from exc
