@@ -787,6 +787,37 @@ async def test_writes_go_out_in_pipelines_of_four_or_sixteen(
             assert len(sizes) >= BLOCKS // batch
 
 
+@pytest.mark.parametrize("direct_writes", [True, False])
+async def test_a_stores_blocks_are_written_in_consecutive_batches(
+    direct_writes: bool, redis_server: RedisServer, redis_keyspace: str
+) -> None:
+    """One store's blocks go out in batches of the blocks queued next, in order (4 and
+    1 of 5 blocks by the copying writer, 5 by the direct one). Two writers waiting at
+    the queue at once were each handed a block by one store, and the one that ran first
+    took the rest: 0, 2, 3, 4 and 1, or 0 and 1-4, by the loop's wake order."""
+    batches: list[list[str]] = []
+
+    class Recording(RedisStore):
+        async def put(self, items: Any) -> None:
+            batches.append([key for key, _ in items])
+            await super().put(items)
+
+        def writefrom(self, items: Any, **kwargs: Any) -> list[str | None]:
+            batches.append([key for key, _ in items])
+            return super().writefrom(items, **kwargs)
+
+    store = Recording(redis_server.url, timeout_s=2.0, direct_writes=direct_writes)
+    with anyio.fail_after(TIMEOUT_S):
+        async with remote_tier(redis_server.url, redis_keyspace, store=store) as (tier, _):
+            assert tier.remote is not None
+            await anyio.wait_all_tasks_blocked()  # the writers wait at the queue
+            hashes = [0xB0 + i for i in range(5)]
+            await tier.store(hashes, list(range(5))).transfer
+            await tier.remote_written()
+            keys = [tier.remote.key_of(h) for h in hashes]
+            assert batches == ([keys] if direct_writes else [keys[:4], keys[4:]])
+
+
 def host_of(blocks: int, seed: int = 3) -> KVLayout:
     gen = torch.Generator().manual_seed(seed)
     kv = [torch.randn(2, blocks, 4, 2, 16, generator=gen).to(torch.float16) for _ in range(2)]

@@ -1426,14 +1426,23 @@ class RemoteLink:
         self.running = True
         task_status.started()
 
+        # One writer at a time waits at the queue and takes its batch: the blocks queued
+        # next, in order (two waiting at once were each handed a block by one submit,
+        # and which ran first took the rest: batches hung on the loop's wake order).
+        turn = anyio.Lock()
+
         async def writer() -> None:
-            async for first in self._receive:
-                batch = [first]
-                while len(batch) < self.write_batch:
+            while True:
+                async with turn:
                     try:
-                        batch.append(self._receive.receive_nowait())
-                    except (anyio.WouldBlock, anyio.EndOfStream):
-                        break
+                        batch = [await self._receive.receive()]
+                    except anyio.EndOfStream:
+                        return
+                    while len(batch) < self.write_batch:
+                        try:
+                            batch.append(self._receive.receive_nowait())
+                        except (anyio.WouldBlock, anyio.EndOfStream):
+                            break
                 try:
                     await self._write(batch, read_block, hold, release)
                 except Exception as exc:  # never the writer's end (counted as dropped)
