@@ -1384,7 +1384,12 @@ class RemoteLink:
             _log.warning("tier.remote_degraded", store=repr(self.store), op=what, error=str(error))
         self.degraded = True
 
-    def _ok(self) -> None:
+    def _ok(self, since: int) -> None:
+        """An operation that began when ``errors`` was ``since`` succeeded: the tier is
+        no longer degraded, unless an operation failed after this one began (whatever
+        order the event loop runs the two in, when they end together)."""
+        if self._counts["errors"] != since:
+            return
         if self.degraded:
             _log.info("tier.remote_recovered", store=repr(self.store))
         self.degraded = False
@@ -1478,6 +1483,7 @@ class RemoteLink:
         are released once the thread is over, however the caller is cancelled."""
         import anyio.from_thread
 
+        since = self._counts["errors"]
         held = [(h, block) for h, block in batch if hold(h, block)]
         self._counts["skipped_blocks"] += len(batch) - len(held)
         direct = self.direct_writes
@@ -1538,7 +1544,7 @@ class RemoteLink:
             if refused:  # the server's own refusal (out of memory, say): those keys only
                 self._failed(RemoteError(f"SET on {self.store!r} failed: {refused[0]}"), "put")
             else:
-                self._ok()
+                self._ok(since)
             self._counts["failed_writes"] += len(refused)
             self._counts["written_blocks"] += len(held) - len(refused)
             self._counts["written_bytes"] += (len(held) - len(refused)) * self.nbytes
@@ -1582,12 +1588,13 @@ class RemoteLink:
         """How many leading ``hashes`` have a value (not checked) on the remote store."""
         if not hashes:
             return 0
+        since = self._counts["errors"]
         try:
             found = await self.store.exists([self.key_of(h) for h in hashes])
         except Exception as exc:
             self._failed(_remote_error(exc, self.store), "exists")
             return 0
-        self._ok()
+        self._ok(since)
         n = 0
         while n < len(found) and found[n]:
             n += 1
@@ -1674,12 +1681,13 @@ class RemoteLink:
         return handed
 
     async def _fetch_part(self, hashes: Sequence[int | bytes]) -> list[memoryview]:
+        since = self._counts["errors"]
         try:
             values = await self.store.get([self.key_of(h) for h in hashes])
         except Exception as exc:
             self._failed(_remote_error(exc, self.store), "get")
             return []
-        self._ok()
+        self._ok(since)
 
         def check() -> list[memoryview | str | None]:
             out: list[memoryview | str | None] = []
@@ -1813,6 +1821,7 @@ class RemoteLink:
         is under way."""
         import anyio.from_thread
 
+        since = self._counts["errors"]
         read_into: Callable[..., list[int | None]] = cast(Any, self.store).readinto
         digests = [hash_digest(h) for h in part]
         # What each value turned out to be: a fault's name, or its payload's memory.
@@ -1882,7 +1891,7 @@ class RemoteLink:
         if failed is not None:
             self._failed(RemoteError(failed), "get")
         else:
-            self._ok()
+            self._ok(since)
         if fault not in (None, "missing", "after the end"):
             assert fault is not None
             self._invalid[fault] = self._invalid.get(fault, 0) + 1
