@@ -52,7 +52,7 @@ class GatedStore:
         if len(self.waiting) == 2:
             self.two_waiting.set()
         await self.gates.setdefault(first, anyio.Event()).wait()
-        if self.failing in (key for key, _ in items):
+        if any(key == self.failing for key, _ in items):
             raise RemoteError("the node holding this key is down")
         for key, parts in items:
             self.values[key] = b"".join(bytes(part) for part in parts)
