@@ -300,3 +300,38 @@ async def test_a_layer_store_group_from_another_thread_is_refused_and_the_store_
                 store.store_group(i)
             await store
             assert tier.lookup([1]) == 1
+
+
+async def test_a_manager_serves_one_tier_at_a_time() -> None:
+    """A second tier on a manager would hand out the host blocks the first tier's blocks
+    are in (a hostile trial: the first then loaded the second's bytes under its own hash):
+    refused while the first serves; once it is left or dropped, a new one takes over and
+    the one left refuses calls."""
+    layout = _layout()
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            first = KVTier(mgr)
+            await first.store([111], [1]).transfer
+            with pytest.raises(ConfigError, match="has a KV tier already"):
+                KVTier(mgr)
+            await first.load([111], [9])
+            assert bool((layout.arrays[0][9] == 1).all())
+            del first  # dropped: a new one takes over
+            second = KVTier(mgr)
+            assert second.lookup([111]) == 0
+            async with second:
+                await second.store([222], [2]).transfer
+            third = KVTier(mgr)  # the second was left
+            assert third.lookup([222]) == 0
+            for call in (
+                lambda: second.lookup([222]),
+                lambda: second.store([333], [3]),
+                lambda: second.load([222], [9]),
+                second.clear,
+            ):
+                with pytest.raises(ConfigError, match="no longer serves its manager"):
+                    call()
+            await third.store([444], [4]).transfer
+            await third.load([444], [9])
+            assert bool((layout.arrays[0][9] == 4).all())

@@ -15,6 +15,7 @@ type checking only, ``block_ids`` by the call that checks device block ids), so
 
 from __future__ import annotations
 
+import gc
 import math
 import weakref
 from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Sequence
@@ -60,6 +61,10 @@ if TYPE_CHECKING:  # torch: a process with the index alone never imports it
 # The remote stores that a tier in use serves: a store serves one tier at a time (the
 # tier closes it when it is left).
 _STORES_IN_USE: weakref.WeakSet[Any] = weakref.WeakSet()
+# The tier that serves each manager: its index hands out the manager's host blocks, so a
+# second tier would hand out the same ones. A tier serves until it is left (``async
+# with``) or dropped; then a new one may take the manager over.
+_TIER_OF: weakref.WeakKeyDictionary[Any, weakref.ref[KVTier]] = weakref.WeakKeyDictionary()
 
 __all__ = [
     "POLICY_NAMES",
@@ -363,6 +368,26 @@ _MAX_EVENT_BUFFER = 1 << 30
 _MAX_FLUSH_TIMEOUT_S = 86_400.0  # a day
 
 
+def _claim(manager: OffloadManager, tier: KVTier) -> None:
+    """Make ``tier`` the one that serves ``manager``: ConfigError if another tier serves
+    it and was not left (a dropped one may wait in a reference cycle: collected first)."""
+    for collect in (False, True):
+        held = _TIER_OF.get(manager)
+        other = held() if held is not None else None
+        if other is None or other._left:
+            _TIER_OF[manager] = weakref.ref(tier)
+            return
+        if collect:
+            break
+        del other
+        gc.collect()
+    raise ConfigError(
+        "this manager has a KV tier already: the tier picks the manager's host blocks, "
+        "so a second one would hand out the same blocks. Use that tier, or leave it "
+        "(async with) or drop every reference to it first"
+    )
+
+
 class KVTier:
     """Block hashes → the host blocks of ``manager`` (open, with a KV layout).
 
@@ -402,6 +427,7 @@ class KVTier:
             raise ConfigError("a KV tier needs a manager with a KV layout (OffloadManager.for_kv)")
         self.manager = manager
         self.index = BlockIndex(manager.num_host_blocks, policy=policy)
+        self._left = False
         #: Events a subscriber's full buffer could not take.
         self.dropped_events = 0
         self._num_blocks = layout.num_blocks
@@ -439,6 +465,7 @@ class KVTier:
         self._tasks: anyio.abc.TaskGroup | None = None
         self._entered = False
         self._rows: Any = None  # the host blocks as bytes, for the writer
+        _claim(manager, self)
 
     async def __aenter__(self) -> KVTier:
         if self.remote is not None:
@@ -515,6 +542,7 @@ class KVTier:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
+        self._left = True  # another tier may take the manager over from now on
         remote, tasks = self.remote, self._tasks
         if remote is None or tasks is None:
             return None
@@ -543,7 +571,18 @@ class KVTier:
 
     def lookup(self, hashes: Iterable[BlockHash]) -> int:
         """How many leading hashes can be loaded now."""
+        self._check_serving()
         return self.index.lookup(hashes)
+
+    def _check_serving(self) -> None:
+        """ConfigError if another tier took this one's manager over (after this one was
+        left): its index no longer says what the host blocks hold."""
+        held = _TIER_OF.get(self.manager)
+        if held is None or held() is not self:
+            raise ConfigError(
+                "this tier no longer serves its manager: another KVTier took the manager "
+                "over after this one was left; use that one"
+            )
 
     def store(
         self,
@@ -690,12 +729,15 @@ class KVTier:
         return ranges
 
     def touch(self, hashes: Iterable[BlockHash]) -> None:
+        self._check_serving()
         self.index.touch(hashes)
 
     def remove(self, hashes: Iterable[BlockHash]) -> int:
+        self._check_serving()
         return self.index.remove(hashes)
 
     def clear(self) -> None:
+        self._check_serving()
         self.index.clear()
 
     def add_listener(self, listener: Callable[[BlockEvent], None]) -> None:
@@ -761,6 +803,7 @@ class KVTier:
     async def lookup_remote(self, hashes: Iterable[BlockHash]) -> int:
         """``lookup``, then, past the host's leading hits, the leading blocks the remote
         tier has (their values are checked when fetched: ``restore`` may find fewer)."""
+        self._check_serving()
         keys = all_checked(hashes)
         n = self.index.lookup(keys)
         if self.remote is None or n == len(keys):
@@ -833,7 +876,7 @@ class KVTier:
                             held.append(([h], self.index.begin_load([h], touch=False)))
                         else:  # that restore's run ended before it, or it was cancelled
                             given_up.add(h)
-                    n = self.index.lookup(keys)
+                    n = self.index.leading(keys)  # the call's one lookup was counted
                     # Round again only where the run stops at a block another restore
                     # was fetching and let go: this one fetches it (and what follows).
                     if (
@@ -919,6 +962,7 @@ class KVTier:
         checked before the index changes: a refused call changes nothing."""
         from asyncpin.transfers import block_ids  # torch: see the module docstring
 
+        self._check_serving()
         keys = all_checked(hashes)
         # The count first, where a sequence tells it (a tensor or an array is checked as
         # ids first: its shape, then its length).

@@ -146,15 +146,21 @@ class BlockIndex:
         """How many leading hashes are present and loadable. It counts them and leaves the
         policy's order alone: a use is ``begin_load`` (or ``touch``)."""
         checked = all_checked(hashes)
+        n = self.leading(checked)
+        self._counts.lookups += 1
+        self._counts.looked_up_blocks += len(checked)
+        self._counts.hit_blocks += n
+        return n
+
+    def leading(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading ``hashes`` (checked ones) are present and loadable, not counted
+        as a lookup (a caller's second look, after it brought some in)."""
         n = 0
-        for h in checked:
+        for h in hashes:
             entry = self._entries.get(h)
             if entry is None or not entry.ready:
                 break
             n += 1
-        self._counts.lookups += 1
-        self._counts.looked_up_blocks += len(checked)
-        self._counts.hit_blocks += n
         return n
 
     def room(self) -> int:

@@ -1590,7 +1590,14 @@ class RemoteLink:
             return 0
         since = self._counts["errors"]
         try:
-            found = await self.store.exists([self.key_of(h) for h in hashes])
+            found = _answers(
+                await self.store.exists([self.key_of(h) for h in hashes]),
+                len(hashes),
+                self.store,
+                "exists",
+                (object,),
+            )
+            found = [bool(item) for item in found]
         except Exception as exc:
             self._failed(_remote_error(exc, self.store), "exists")
             return 0
@@ -1683,7 +1690,13 @@ class RemoteLink:
     async def _fetch_part(self, hashes: Sequence[int | bytes]) -> list[memoryview]:
         since = self._counts["errors"]
         try:
-            values = await self.store.get([self.key_of(h) for h in hashes])
+            values = _answers(
+                await self.store.get([self.key_of(h) for h in hashes]),
+                len(hashes),
+                self.store,
+                "get",
+                (bytes, bytearray, memoryview, type(None)),
+            )
         except Exception as exc:
             self._failed(_remote_error(exc, self.store), "get")
             return []
@@ -1922,6 +1935,18 @@ class RemoteLink:
             errors=c["errors"],
             queued_blocks=self._send.statistics().current_buffer_used,
         )
+
+
+def _answers(got: Any, n: int, store: object, call: str, kinds: tuple[type, ...]) -> list[Any]:
+    """A store's answer to ``call`` of ``n`` keys: a list of ``n`` items of ``kinds``;
+    else RemoteError (a store that breaks its contract fails as a failing server does)."""
+    if not isinstance(got, list | tuple) or len(got) != n:
+        what = f"{len(got)} items" if isinstance(got, list | tuple) else shown(got)
+        raise RemoteError(f"{store!r}.{call}() of {n} keys returned {what}")
+    for item in got:
+        if not isinstance(item, kinds):
+            raise RemoteError(f"{store!r}.{call}() returned an item of {type(item).__name__}")
+    return list(got)
 
 
 def _remote_error(error: Exception, store: RemoteStore) -> RemoteError:
