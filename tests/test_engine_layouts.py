@@ -183,7 +183,18 @@ class TestLayerLoads:
                 assert after.skipped == ()
 
     @pytest.mark.parametrize(
-        "groups", [[], range(0, 2), [range(0, 2), range(3, 5)], [range(0, 2), [2, 3]]], ids=repr
+        "groups",
+        [
+            [],
+            range(0, 2),
+            [range(0, 2), range(3, 5)],
+            [range(0, 2), [2, 3]],
+            3,  # a hostile trial: TypeError, and numpy's ValueError for an array
+            object(),
+            np.array([1, 2]),
+            iter([range(0, 2), range(2, 4)]),
+        ],
+        ids=repr,
     )
     async def test_bad_groups_are_refused_with_nothing_protected(self, groups: object) -> None:
         layout = build("joined", BLOCKS, "cpu")
@@ -240,6 +251,28 @@ class TestLayerStores:
                 await first
                 await store
                 assert len(tier.index) == 0 and tier.index.stats().free_blocks == HOST_BLOCKS
+
+    async def test_an_abort_after_every_group_is_queued_frees_the_blocks(self) -> None:
+        """As before the last group (a hostile trial: it did nothing once every group was
+        queued, and the blocks became loadable); after the store ended it changes
+        nothing."""
+        layout = build("joined", BLOCKS, "cpu")
+        with anyio.fail_after(TIMEOUT_S):
+            async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+                await mgr.pinned
+                tier = KVTier(mgr)
+                store = tier.store_layers([1, 2], [0, 1])
+                copies = [store.store_group(i) for i in range(len(store.groups))]
+                assert not any(copy.done() for copy in copies)
+                store.abort()
+                await store
+                assert len(tier.index) == 0 and tier.index.stats().free_blocks == HOST_BLOCKS
+                kept = tier.store_layers([3], [2])
+                for i in range(len(kept.groups)):
+                    kept.store_group(i)
+                await kept
+                kept.abort()  # over: the block stays
+                assert tier.lookup([3]) == 1
 
     async def test_a_failed_group_leaves_nothing_indexed(self) -> None:
         layout = build("joined", BLOCKS, "cpu")

@@ -181,3 +181,16 @@ async def test_a_restore_counts_one_lookup_of_the_host() -> None:
                 assert after.lookups - before.lookups == 1
                 assert after.looked_up_blocks - before.looked_up_blocks == 3
                 assert after.hit_blocks - before.hit_blocks == 0  # none was on the host
+
+
+async def test_an_error_in_the_tiers_block_comes_out_as_itself() -> None:
+    """Not in an ExceptionGroup (the writer's task group's), as without a remote store:
+    ``except ValueError`` around the block catches it."""
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(_layout(), BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            for remote in (None, ShapedStore()):
+                with pytest.raises(ValueError, match="the body's own") as info:
+                    async with KVTier(mgr, remote=remote):
+                        raise ValueError("the body's own")
+                assert type(info.value) is ValueError

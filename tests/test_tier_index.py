@@ -640,6 +640,22 @@ def test_end_load_once_per_load(policy: str) -> None:
     assert index.stats().free_blocks == 1
 
 
+def test_end_load_takes_one_host_block_a_hash() -> None:
+    """Blocks of another count, or not a sequence: InvalidTransferError naming what was
+    given, nothing changed (a hostile trial: a bare ValueError from zip())."""
+    index, _ = fresh(2, "lru")
+    stored(index, [1, 2])
+    reading = index.begin_load([1, 2])
+    for blocks in (reading[:1], [*reading, 0], None, 7):
+        with pytest.raises(InvalidTransferError, match="takes their 2 host blocks"):
+            index.end_load([1, 2], blocks)  # type: ignore[arg-type]
+    plan = index.begin_store([3])  # both still read: no room
+    assert plan.skipped == (3,)
+    index.end_store(plan, ok=True)
+    index.end_load([1, 2], reading)
+    assert index.room() == 2
+
+
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_remove_during_a_load_frees_the_block_after_end_load(policy: str) -> None:
     index, events = fresh(1, policy)

@@ -219,8 +219,10 @@ class LayerStore:
         return transfer
 
     def abort(self) -> None:
-        """Queue no more groups; the blocks are freed once the copies queued are over."""
-        if not self._closed:
+        """Queue no more groups, and index none of the blocks: they are freed once the
+        copies queued are over (every group queued too; nothing changes once the store
+        has ended)."""
+        if not self._ended:
             self._closed, self._failed = True, True
             self._maybe_end()
 
@@ -251,7 +253,8 @@ class LayerStore:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.abort()  # nothing when every group is queued
+        if not self._closed:  # a group not queued: the block ended early
+            self.abort()
         if exc_type is None:
             await self.wait()
 
@@ -556,7 +559,13 @@ class KVTier:
             try:
                 # The body's own exception goes through the writer's task group, so that
                 # a cancellation the group made of it comes out as what caused it.
-                suppress = await tasks.__aexit__(exc_type, exc, tb)  # the writer drops the rest
+                try:
+                    suppress = await tasks.__aexit__(exc_type, exc, tb)  # the writer drops the rest
+                except BaseExceptionGroup as group:
+                    if exc is None or list(group.exceptions) != [exc]:
+                        raise
+                    # The group wraps the body's exception alone: it goes on as itself.
+                    suppress = None
             finally:
                 self._rows = None
                 try:
@@ -721,8 +730,10 @@ class KVTier:
         assert layout is not None
         if groups is None:
             groups = layout.tensor_arrays
-        if isinstance(groups, range) or not groups:
-            raise InvalidTransferError("groups is a non-empty sequence of ranges of arrays")
+        if not isinstance(groups, list | tuple) or not groups:
+            raise InvalidTransferError(
+                f"groups is a non-empty list or tuple of ranges of arrays, not {shown(groups)}"
+            )
         ranges = tuple(groups)
         for group in ranges:
             check_arrays(group, layout.num_arrays)

@@ -364,11 +364,17 @@ class BlockIndex:
         under way holds the block (ended already, or never begun). It counts a block's
         loads, not which is which: a second end of one load while another load of that
         block is under way goes unseen."""
+        keys = all_checked(hashes)
+        if not isinstance(host_blocks, Sequence) or len(host_blocks) != len(keys):
+            raise InvalidTransferError(
+                f"end_load of {len(keys)} hashes takes their {len(keys)} host blocks "
+                f"(as begin_load returned them), got {shown(host_blocks)}"
+            )
         matched: list[_Entry] = []  # readers taken off, given back if one is refused
         draining: list[int] = []  # blocks dropped from the index, drained in this order
         users: dict[int, int] = {}
         try:
-            for h, block in zip(all_checked(hashes), host_blocks, strict=True):
+            for h, block in zip(keys, host_blocks, strict=True):
                 entry = self._entries.get(h)
                 if entry is not None and entry.host_block == block:
                     held = entry.readers > 0
