@@ -335,3 +335,19 @@ async def test_a_manager_serves_one_tier_at_a_time() -> None:
             await third.store([444], [4]).transfer
             await third.load([444], [9])
             assert bool((layout.arrays[0][9] == 4).all())
+
+
+async def test_nothing_can_be_loaded_once_the_manager_closed() -> None:
+    """``lookup`` counts the hashes that can be loaded now: none once the manager closed
+    (a hostile trial: it still counted the stored ones, which ``load`` then refused)."""
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(_layout(), HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            tier = KVTier(mgr)
+            await tier.store([5, 6], [5, 6]).transfer
+            assert tier.lookup([5, 6]) == 2 and await tier.lookup_remote([5, 6]) == 2
+        assert tier.lookup([5, 6]) == 0 and await tier.lookup_remote([5, 6]) == 0
+        with pytest.raises(InvalidTransferError):
+            tier.lookup([True])
+        with pytest.raises(anyio.ClosedResourceError):
+            await tier.load([5], [0])

@@ -579,8 +579,12 @@ class KVTier:
         return suppress
 
     def lookup(self, hashes: Iterable[BlockHash]) -> int:
-        """How many leading hashes can be loaded now."""
+        """How many leading hashes can be loaded now: none once the manager is closing
+        or closed (a load would be refused)."""
         self._check_serving()
+        if self.manager.state is not ManagerState.OPEN:
+            all_checked(hashes)  # bad input is refused all the same
+            return 0
         return self.index.lookup(hashes)
 
     def _check_serving(self) -> None:
@@ -814,10 +818,9 @@ class KVTier:
     async def lookup_remote(self, hashes: Iterable[BlockHash]) -> int:
         """``lookup``, then, past the host's leading hits, the leading blocks the remote
         tier has (their values are checked when fetched: ``restore`` may find fewer)."""
-        self._check_serving()
         keys = all_checked(hashes)
-        n = self.index.lookup(keys)
-        if self.remote is None or n == len(keys):
+        n = self.lookup(keys)
+        if self.remote is None or n == len(keys) or self.manager.state is not ManagerState.OPEN:
             return n
         return n + await self.remote.exists(keys[n:])
 
