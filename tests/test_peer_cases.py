@@ -432,8 +432,9 @@ async def test_close_while_tier_stores_are_pending(gen: torch.Generator) -> None
     await in_chunk0.transfer
     with pytest.raises(TransferError):
         await in_chunk1.transfer
-    assert tier.lookup(range(100, 100 + per)) == per
-    assert tier.lookup([200]) == 0 and len(tier.index) == per
+    assert tier.index.lookup(range(100, 100 + per)) == per  # indexed
+    assert tier.lookup(range(100, 100 + per)) == 0  # but not loadable: the manager closed
+    assert tier.index.lookup([200]) == 0 and len(tier.index) == per
     stats = tier.stats()
     assert stats.failed_blocks == per and stats.free_blocks == tier.index.num_host_blocks - per
     with pytest.raises(anyio.ClosedResourceError):
