@@ -357,7 +357,10 @@ class Session:
         for h in HASHES:
             assert index.host_block(h) == self.ready.get(h), h
             assert (h in index) == (h in self.ready)
-        assert self.tier.lookup(HASHES) == self.leading(HASHES)
+        assert index.leading(HASHES) == self.leading(HASHES)
+        # Loadable: the index's leading hits while the manager is open, none after.
+        loadable = self.leading(HASHES) if self.mgr.state is ManagerState.OPEN else 0
+        assert self.tier.lookup(HASHES) == loadable
         for lf in self.load_flights:  # protected blocks stay where the load reads them
             for h, b in zip(lf.hashes, lf.blocks, strict=True):
                 if h not in lf.removed:
