@@ -351,3 +351,74 @@ async def test_nothing_can_be_loaded_once_the_manager_closed() -> None:
             tier.lookup([True])
         with pytest.raises(anyio.ClosedResourceError):
             await tier.load([5], [0])
+
+
+async def test_a_tier_left_with_a_store_under_way_keeps_its_manager() -> None:
+    """Left, but with a layer-wise store not ended: a new tier would hand out that
+    store's host block again, so it is refused until the store ended (a review found
+    the new tier's block overwritten by the old store's copy)."""
+    layout = _layout()
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(layout, HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            async with KVTier(mgr) as first:
+                store = first.store_layers([1], [1])
+            with pytest.raises(ConfigError, match="has a KV tier already"):
+                KVTier(mgr)
+            for i in range(len(store.groups)):
+                store.store_group(i)
+            await store
+            second = KVTier(mgr)  # the store ended: the manager is free
+            await second.store([2], [2]).transfer
+            await second.load([2], [9])
+            assert bool((layout.arrays[0][9] == 2).all())
+
+
+class _ClosedStore:
+    name = "closed"
+    closed = True
+
+    async def get(self, keys: Any) -> list[bytes | None]:
+        return [None] * len(keys)
+
+    async def put(self, items: Any) -> None:
+        pass
+
+    async def exists(self, keys: Any) -> list[bool]:
+        return [False] * len(keys)
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_a_tier_whose_entry_failed_frees_its_manager() -> None:
+    """The natural fallback, a host-only tier, is not refused (a review: the tier that
+    never entered kept the manager while the caller's name still held it)."""
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(_layout(), HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            tier = KVTier(mgr, remote=_ClosedStore())
+            with pytest.raises(ConfigError, match="is closed or serves another tier"):
+                async with tier:
+                    pass
+            fallback = KVTier(mgr)
+            await fallback.store([3], [3]).transfer
+            assert fallback.lookup([3]) == 1
+            with pytest.raises(ConfigError, match="no longer serves its manager"):
+                tier.lookup([3])
+
+
+async def test_a_layer_store_with_nothing_to_copy_ends_in_a_block_and_on_abort() -> None:
+    """Every hash present: the store is over at once; leaving its block and abort() then
+    wait for nothing (a review: the first abort() fix left wait() raising)."""
+    with anyio.fail_after(TIMEOUT_S):
+        async with OffloadManager.for_kv(_layout(), HOST_BLOCKS, backend=FakeBackend()) as mgr:
+            await mgr.pinned
+            tier = KVTier(mgr)
+            await tier.store([4], [4]).transfer
+            async with tier.store_layers([4], [4]) as present:
+                assert present.plan.hashes == ()
+            again = tier.store_layers([4], [4])
+            again.abort()
+            await again
+            assert tier.lookup([4]) == 1

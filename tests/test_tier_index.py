@@ -652,7 +652,9 @@ def test_end_load_takes_one_host_block_a_hash() -> None:
     plan = index.begin_store([3])  # both still read: no room
     assert plan.skipped == (3,)
     index.end_store(plan, ok=True)
-    index.end_load([1, 2], reading)
+    index.end_load([1, 2], np.array(reading))  # type: ignore[arg-type]  # an array is as good
+    assert index.room() == 2
+    index.end_load([1], torch.tensor(index.begin_load([1])))  # type: ignore[arg-type]
     assert index.room() == 2
 
 

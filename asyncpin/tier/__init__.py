@@ -223,8 +223,9 @@ class LayerStore:
         copies queued are over (every group queued too; nothing changes once the store
         has ended)."""
         if not self._ended:
-            self._closed, self._failed = True, True
-            self._maybe_end()
+            self._failed = True
+        self._closed = True  # an ended (empty) store too: wait() has nothing to wait for
+        self._maybe_end()
 
     def _group_done(self, transfer: Transfer) -> None:
         self._running -= 1
@@ -377,7 +378,7 @@ def _claim(manager: OffloadManager, tier: KVTier) -> None:
     for collect in (False, True):
         held = _TIER_OF.get(manager)
         other = held() if held is not None else None
-        if other is None or other._left:
+        if other is None or (other._left and other._idle()):
             _TIER_OF[manager] = weakref.ref(tier)
             return
         if collect:
@@ -455,20 +456,25 @@ class KVTier:
                     "flush_timeout_s must be a number from 0 to a day, got "
                     f"{shown(flush_timeout_s)}"
                 )
-            self.remote = RemoteLink(
-                remote,
-                print_=fingerprint(model, layout.description(), manager.host_slice),
-                namespace=namespace,
-                host_block_bytes=layout.host_block_bytes,
-                queue_blocks=remote_queue,
-                secret=remote_secret,
-                read_depth=remote_read_depth,
-            )
         self._flush_timeout_s = float(flush_timeout_s)
         self._tasks: anyio.abc.TaskGroup | None = None
         self._entered = False
         self._rows: Any = None  # the host blocks as bytes, for the writer
-        _claim(manager, self)
+        _claim(manager, self)  # before the link's queue is made: a refused tier holds none
+        if remote is not None:
+            try:
+                self.remote = RemoteLink(
+                    remote,
+                    print_=fingerprint(model, layout.description(), manager.host_slice),
+                    namespace=namespace,
+                    host_block_bytes=layout.host_block_bytes,
+                    queue_blocks=remote_queue,
+                    secret=remote_secret,
+                    read_depth=remote_read_depth,
+                )
+            except BaseException:
+                self._left = True  # never made: it claims the manager no more
+                raise
 
     async def __aenter__(self) -> KVTier:
         if self.remote is not None:
@@ -476,6 +482,7 @@ class KVTier:
                 raise RuntimeError("a tier with a remote store is entered once")
             store = self.remote.store
             if getattr(store, "closed", False) is True or store in _STORES_IN_USE:
+                self._left = True  # never entered: it claims the manager no more
                 # The tier closes its store when it is left: a store serves one tier.
                 raise ConfigError(
                     f"{store!r} is closed or serves another tier (a tier closes its "
@@ -487,6 +494,7 @@ class KVTier:
                 from asyncpin._tasks import current_loop
 
                 if not isinstance(current_loop(), asyncio.AbstractEventLoop):
+                    self._left = True  # never entered: it claims the manager no more
                     raise ConfigError(
                         "RedisStore needs asyncio (redis-py's asyncio client): this event "
                         "loop is not asyncio's"
@@ -514,6 +522,7 @@ class KVTier:
                 )
             except BaseException:
                 _STORES_IN_USE.discard(store)
+                self._left = True  # never entered: it claims the manager no more
                 raise
         return self
 
@@ -545,9 +554,9 @@ class KVTier:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        self._left = True  # another tier may take the manager over from now on
         remote, tasks = self.remote, self._tasks
         if remote is None or tasks is None:
+            self._left = True
             return None
         self._tasks = None
         suppress: bool | None = None
@@ -576,6 +585,7 @@ class KVTier:
                         await remote.store.aclose()
                 finally:
                     _STORES_IN_USE.discard(remote.store)
+                    self._left = True  # the writer is over: another tier may take over
         return suppress
 
     def lookup(self, hashes: Iterable[BlockHash]) -> int:
@@ -586,6 +596,11 @@ class KVTier:
             all_checked(hashes)  # bad input is refused all the same
             return 0
         return self.index.lookup(hashes)
+
+    def _idle(self) -> bool:
+        """No copy, load, fetch or write of this tier is under way on the host blocks."""
+        index = self.index
+        return not (index._open_plans or index._draining or index._held or self._fetching)
 
     def _check_serving(self) -> None:
         """ConfigError if another tier took this one's manager over (after this one was

@@ -146,17 +146,20 @@ class BlockIndex:
         """How many leading hashes are present and loadable. It counts them and leaves the
         policy's order alone: a use is ``begin_load`` (or ``touch``)."""
         checked = all_checked(hashes)
-        n = self.leading(checked)
+        n = self._leading(checked)
         self._counts.lookups += 1
         self._counts.looked_up_blocks += len(checked)
         self._counts.hit_blocks += n
         return n
 
-    def leading(self, hashes: Sequence[BlockHash]) -> int:
-        """How many leading ``hashes`` (checked ones) are present and loadable, not counted
-        as a lookup (a caller's second look, after it brought some in)."""
+    def leading(self, hashes: Iterable[BlockHash]) -> int:
+        """How many leading ``hashes`` are present and loadable, not counted as a lookup
+        (a caller's second look, after it brought some in)."""
+        return self._leading(all_checked(hashes))
+
+    def _leading(self, checked: Sequence[BlockHash]) -> int:
         n = 0
-        for h in hashes:
+        for h in checked:
             entry = self._entries.get(h)
             if entry is None or not entry.ready:
                 break
@@ -365,6 +368,9 @@ class BlockIndex:
         loads, not which is which: a second end of one load while another load of that
         block is under way goes unseen."""
         keys = all_checked(hashes)
+        tolist = getattr(host_blocks, "tolist", None)  # a NumPy array, a tensor
+        if callable(tolist):
+            host_blocks = tolist()
         if not isinstance(host_blocks, Sequence) or len(host_blocks) != len(keys):
             raise InvalidTransferError(
                 f"end_load of {len(keys)} hashes takes their {len(keys)} host blocks "

@@ -1941,7 +1941,7 @@ def _answers(got: Any, n: int, store: object, call: str, kinds: tuple[type, ...]
     """A store's answer to ``call`` of ``n`` keys: a list of ``n`` items of ``kinds``;
     else RemoteError (a store that breaks its contract fails as a failing server does)."""
     if not isinstance(got, list | tuple) or len(got) != n:
-        what = f"{len(got)} items" if isinstance(got, list | tuple) else shown(got)
+        what = f"{len(got)} items" if isinstance(got, list | tuple) else type(got).__name__
         raise RemoteError(f"{store!r}.{call}() of {n} keys returned {what}")
     for item in got:
         if not isinstance(item, kinds):
