@@ -388,7 +388,8 @@ def _claim(manager: OffloadManager, tier: KVTier) -> None:
     raise ConfigError(
         "this manager has a KV tier already: the tier picks the manager's host blocks, "
         "so a second one would hand out the same blocks. Use that tier, or leave it "
-        "(async with) or drop every reference to it first"
+        "(async with; it frees the manager once no copy, load or fetch of it is under "
+        "way) or drop every reference to it first"
     )
 
 
