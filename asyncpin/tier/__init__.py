@@ -372,25 +372,29 @@ _MAX_EVENT_BUFFER = 1 << 30
 _MAX_FLUSH_TIMEOUT_S = 86_400.0  # a day
 
 
+def _serving(manager: OffloadManager) -> KVTier | None:
+    """The tier that serves ``manager`` and may not be taken over: not left, or left with
+    a copy, load or fetch still under way."""
+    held = _TIER_OF.get(manager)
+    tier = held() if held is not None else None
+    if tier is None or (tier._left and tier.index.idle() and not tier._fetching):
+        return None
+    return tier
+
+
 def _claim(manager: OffloadManager, tier: KVTier) -> None:
     """Make ``tier`` the one that serves ``manager``: ConfigError if another tier serves
-    it and was not left (a dropped one may wait in a reference cycle: collected first)."""
-    for collect in (False, True):
-        held = _TIER_OF.get(manager)
-        other = held() if held is not None else None
-        if other is None or (other._left and other._idle()):
-            _TIER_OF[manager] = weakref.ref(tier)
-            return
-        if collect:
-            break
-        del other
+    it (a dropped one may wait in a reference cycle: collected first)."""
+    if _serving(manager) is not None:
         gc.collect()
-    raise ConfigError(
-        "this manager has a KV tier already: the tier picks the manager's host blocks, "
-        "so a second one would hand out the same blocks. Use that tier, or leave it "
-        "(async with; it frees the manager once no copy, load or fetch of it is under "
-        "way) or drop every reference to it first"
-    )
+    if _serving(manager) is not None:
+        raise ConfigError(
+            "this manager has a KV tier already: the tier picks the manager's host blocks, "
+            "so a second one would hand out the same blocks. Use that tier, or leave it "
+            "(async with; it frees the manager once no copy, load or fetch of it is under "
+            "way) or drop every reference to it first"
+        )
+    _TIER_OF[manager] = weakref.ref(tier)
 
 
 class KVTier:
@@ -597,11 +601,6 @@ class KVTier:
             all_checked(hashes)  # bad input is refused all the same
             return 0
         return self.index.lookup(hashes)
-
-    def _idle(self) -> bool:
-        """No copy, load, fetch or write of this tier is under way on the host blocks."""
-        index = self.index
-        return not (index._open_plans or index._draining or index._held or self._fetching)
 
     def _check_serving(self) -> None:
         """ConfigError if another tier took this one's manager over (after this one was

@@ -166,6 +166,11 @@ class BlockIndex:
             n += 1
         return n
 
+    def idle(self) -> bool:
+        """No store, load or block left to drain is under way: nothing uses a host block
+        but the index itself."""
+        return not (self._open_plans or self._draining or self._held)
+
     def room(self) -> int:
         """Host blocks a store could have now: the free ones and those it could evict
         (loadable, no load under way). O(1)."""
