@@ -979,6 +979,9 @@ async def test_restore_with_no_host_room_returns_the_host_hits(
                 await _written_and_forgotten(tier, [9])
                 held = list(range(100, 108))
                 await tier.store(held, list(range(8))).transfer
+                # Written to the server first: the write-behind keeps each block from
+                # eviction while it reads it, which would leave no room after the load.
+                await tier.remote_written()
                 copy_gate.released.clear()  # the load is held in its copy
                 load = tier.load(held, list(range(8, 16)))
                 await copy_gate.wait_entered(3)  # two stores, then the load

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import pytest
 import structlog
 import torch
@@ -599,6 +601,28 @@ async def test_a_restore_keeps_its_own_host_prefix(
                 assert await tier.restore([1, 9], [20, 21]) == 2
 
 
+class _SendingStore(RedisStore):
+    """A RedisStore that says when a write reached the server: its ``put`` (the copies)
+    or its ``writefrom`` (from the host blocks, in a worker thread) has begun."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sending = threading.Semaphore(0)
+
+    async def put(self, items: Any) -> None:
+        self.sending.release()
+        await super().put(items)
+
+    def writefrom(self, *args: Any, **kwargs: Any) -> Any:
+        self.sending.release()
+        return super().writefrom(*args, **kwargs)
+
+    async def wait_sending(self, writes: int) -> None:
+        for _ in range(writes):
+            ok = await anyio.to_thread.run_sync(self.sending.acquire, True, TIMEOUT_S)
+            assert ok, "no write reached the server"
+
+
 @pytest.mark.parametrize("direct_writes", [True, False])
 async def test_queued_blocks_stay_evictable(
     direct_writes: bool, redis_server: RedisServer, redis_keyspace: str
@@ -612,7 +636,7 @@ async def test_queued_blocks_stay_evictable(
     with anyio.fail_after(TIMEOUT_S):
         async with OffloadManager.for_kv(layout, BLOCKS, backend=FakeBackend()) as mgr:
             await mgr.pinned
-            store = RedisStore(redis_server.url, timeout_s=5.0, direct_writes=direct_writes)
+            store = _SendingStore(redis_server.url, timeout_s=5.0, direct_writes=direct_writes)
             tier = KVTier(
                 mgr, remote=store, namespace=redis_keyspace.rstrip(":"), flush_timeout_s=0.2
             )
@@ -622,7 +646,9 @@ async def test_queued_blocks_stay_evictable(
             try:
                 async with tier:
                     await tier.store(list(range(BLOCKS)), list(range(BLOCKS))).transfer
-                    await anyio.wait_all_tasks_blocked()  # the writers are stuck on the server
+                    # Every writer is stuck on the server (a copying writer's copy is over
+                    # once it sends; until then it holds its blocks).
+                    await store.wait_sending(WRITERS)
                     fresh = tier.store(list(range(100, 100 + BLOCKS)), list(range(BLOCKS)))
                     await fresh.transfer
                     held = WRITERS * 4 if direct_writes else 0
