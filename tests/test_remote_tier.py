@@ -326,7 +326,7 @@ async def test_a_full_queue_drops_and_counts_and_a_store_never_waits(
 ) -> None:
     with anyio.fail_after(TIMEOUT_S):
         async with remote_tier(
-            redis_server.url, redis_keyspace, timeout_s=0.2, remote_queue=2, flush_timeout_s=0.5
+            redis_server.url, redis_keyspace, timeout_s=5.0, remote_queue=2, flush_timeout_s=0.5
         ) as (tier, _):
             redis_server.pause()
             try:
