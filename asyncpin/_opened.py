@@ -115,7 +115,11 @@ class Opened:
                     # `pinned` waits for the engine too: settled by whichever ends last.
                     scheduler.pinned = _Settles(opened._settle_pinned)
                 else:
-                    await anyio.to_thread.run_sync(engine.prepare)
+                    # A cancellation is taken before it; once it began, it runs to its
+                    # end (a cancelled entry closes the engine after it), in a thread of
+                    # its own (the application's default pool may be full).
+                    await anyio.lowlevel.checkpoint_if_cancelled()
+                    await to_the_end(engine.prepare)
                     opened._engine_prepared(None)
         except BaseException:  # a cancellation included
             if opened is None:
@@ -335,7 +339,15 @@ class Opened:
         if self.engine is not None:
             # Off the loop: it joins the engine's threads, and a completion waiter may be
             # held at the capture gate until a capture ends.
-            await anyio.to_thread.run_sync(self.engine.close, limiter=limiter)
+            try:
+                await anyio.to_thread.run_sync(self.engine.close, limiter=limiter)
+            except Exception as failed:  # every transfer is over: the close goes on
+                log.error(
+                    "engine.close_failed",
+                    engine=self.engine.name,
+                    error=describe_error(failed),
+                    action="unpinned and released all the same: every transfer is over",
+                )
         # The manager's own views go, so that only the application's can keep the address
         # range mapped past close.
         self.engine = None

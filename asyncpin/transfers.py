@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, SupportsIndex, cast
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import structlog
 import torch
@@ -24,6 +25,7 @@ import torch
 from asyncpin._log import ShieldedLog
 from asyncpin._outcome import Outcome
 from asyncpin._text import shown
+from asyncpin._threads import to_the_end
 from asyncpin.errors import ConfigError, InvalidTransferError
 from asyncpin.kv import KVLayout
 
@@ -184,24 +186,36 @@ async def copy_in_thread(
     *,
     limiter: anyio.CapacityLimiter | None = None,
 ) -> None:
-    """Run ``copy(job)`` in a worker thread, which returns once the copy is over, and
-    finish the job: done; failed (the error through the handle, never lost); or
-    interrupted, when the driving task is cancelled because the manager is closing."""
+    """Run ``copy(job)`` in a worker thread (``limiter``'s; by default anyio's default
+    pool), return once the copy is over (a
+    cancellation, asyncio's own ``Task.cancel()`` included, is raised after it: a later
+    copy to the same blocks must not be overtaken by this one), and finish the job: done,
+    or failed (the error through the handle, never lost); interrupted only if the copy
+    never ran to its end."""
+    copied: list[Exception | None] = []  # the copy's outcome, once it is over
 
     def run() -> None:
-        if job.reserve is not None:
-            job.reserve()
-        copy(job)
+        try:
+            if job.reserve is not None:
+                job.reserve()
+            copy(job)
+        except Exception as exc:
+            copied.append(exc)
+        else:
+            copied.append(None)
 
     try:
-        await anyio.to_thread.run_sync(run, limiter=limiter)
-    except Exception as exc:
-        job.finish(exc)
+        await anyio.lowlevel.checkpoint_if_cancelled()  # a copy not begun is interrupted
+        await to_the_end(
+            run,
+            limiter=limiter
+            if limiter is not None
+            else anyio.to_thread.current_default_thread_limiter(),
+        )
     except BaseException as exc:
-        job.finish(interrupted(exc))
+        job.finish(copied[0] if copied else interrupted(exc))
         raise
-    else:
-        job.finish()
+    job.finish(copied[0])
 
 
 def host_bytes_view(
