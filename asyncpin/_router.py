@@ -304,8 +304,10 @@ class TransferRouter:
         has it, else ``auto`` (an engine without it: the host engine, or a CUDA engine
         whose runtime cannot load the copy kernel; logged once a method), so that code
         naming a method runs on any machine. InvalidTransferError for a name that is no method."""
-        if method not in METHODS:
-            raise InvalidTransferError(f"method {method!r} is no method; use one of {METHODS}")
+        # A str first: ``in`` compares with ==, which an array or an odd object answers
+        # its own way.
+        if not isinstance(method, str) or method not in METHODS:
+            raise InvalidTransferError(f"method {shown(method)} is no method; use one of {METHODS}")
         if method == "auto" or method in self.engine.methods():
             return cast(Method, method)
         if method not in self._fallbacks_logged:

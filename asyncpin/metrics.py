@@ -145,7 +145,11 @@ class OffloadCollector(Collector):
         self, manager: OffloadManager, *, buckets: Sequence[float] = DEFAULT_LATENCY_BUCKETS
     ) -> None:
         bounds = sorted(float(b) for b in buckets if b != math.inf)
-        if not bounds or len(set(bounds)) != len(bounds) or bounds[0] <= 0:
+        if (
+            not bounds
+            or len(set(bounds)) != len(bounds)
+            or not all(0 < b < math.inf for b in bounds)  # NaN fails both
+        ):
             raise ValueError(f"buckets must be distinct positive numbers, got {shown(buckets)}")
         self._manager = manager
         self._bounds = tuple(bounds)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -209,7 +210,7 @@ class TestTransferMetrics:
 
     def test_buckets_must_be_positive_and_distinct(self) -> None:
         mgr = OffloadManager(CHUNK, backend=FakeBackend())
-        for buckets in ([], [0.1, 0.1], [-1.0, 1.0]):
+        for buckets in ([], [0.1, 0.1], [-1.0, 1.0], [math.nan, 0.5], [-math.inf, 1.0]):
             with pytest.raises(ValueError, match="buckets"):
                 OffloadCollector(mgr, buckets=buckets)
 

@@ -64,6 +64,18 @@ def _quantized(values: list[float]) -> torch.Tensor:
         return torch.quantize_per_tensor(torch.tensor(values), 1.0, 0, torch.qint8)
 
 
+class _EqualsAll:
+    """A method= that says it equals anything."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return "EqualsAll()"
+
+
 class BadIds(NamedTuple):
     name: str
     gpu_ids: Any
@@ -158,7 +170,22 @@ class TestBadTransferInput:
                 await anyio.wait_all_tasks_blocked()
                 model.check()  # nothing moved
 
-    @pytest.mark.parametrize("method", ["bogus", "Pack", "", None, 3])
+    @pytest.mark.parametrize(
+        "method",
+        [
+            "bogus",
+            "Pack",
+            "",
+            None,
+            3,
+            # ``in`` compares with ==: an array answered with numpy's own ValueError, or
+            # was taken as "auto"; an object equal to everything was taken as a method.
+            np.array(["auto", "host"]),
+            np.array(["auto"]),
+            _EqualsAll(),
+        ],
+        ids=repr,
+    )
     async def test_unknown_method(self, method: str, gen: torch.Generator) -> None:
         layout = small_kv(gen)
         with anyio.fail_after(TIMEOUT_S):
