@@ -13,7 +13,7 @@ from asyncpin import _sys
 from asyncpin._mapping import HUGE_PAGE
 from asyncpin._text import shown
 from asyncpin.abc import EngineFactory
-from asyncpin.engines import check_engine_choice
+from asyncpin.engines import check_engine_choice, engine_factory
 from asyncpin.errors import ConfigError
 from asyncpin.kv import KVLayout
 from asyncpin.region import (
@@ -212,6 +212,9 @@ class ManagerConfig:
             raise ConfigError(
                 f"unpinned_policy must be 'wait' or 'pageable', not {shown(unpinned_policy)}"
             )
+        engine = check_engine_choice(engine)
+        if kv_layout is not None:
+            engine_factory(engine, kv_layout)  # a named engine that cannot serve the arrays
         return cls(
             nbytes=size,
             backing=backing,
@@ -225,7 +228,7 @@ class ManagerConfig:
             kv_layout=kv_layout,
             num_host_blocks=blocks,
             unpinned_policy=unpinned_policy,
-            engine=check_engine_choice(engine),
+            engine=engine,
             attach=attach,
             host_slice=check_host_slice(host_slice),
         )

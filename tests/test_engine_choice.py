@@ -4,7 +4,7 @@ one place where an engine's error becomes a TransferError naming the transfer.""
 from __future__ import annotations
 
 import threading
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import anyio
 import pytest
@@ -17,6 +17,7 @@ from asyncpin.engines.host import HostTransferEngine
 from asyncpin.errors import BackendCallError
 from asyncpin.testing import FakeBackend
 from asyncpin.transfers import TransferJob
+from tests.helpers import MadeRegions
 
 pytestmark = pytest.mark.anyio
 
@@ -96,16 +97,28 @@ def test_an_unknown_engine_name_is_refused_before_anything_is_mapped() -> None:
 
 
 @pytest.mark.parametrize(
-    ("engine", "match"),
+    ("engine", "device", "match"),
     [
-        ("cuda", "the cuda engine needs KV arrays on a GPU"),
-        (lambda setup: object(), "not a TransferEngine"),
+        ("cuda", "cpu", "the cuda engine needs KV arrays on a GPU"),
+        ("host", "meta", "the host engine copies between CPU tensors"),
+        ("auto", "meta", "KV arrays on meta are not supported"),
     ],
 )
-async def test_an_engine_that_cannot_serve_is_refused_on_entry(engine: Any, match: str) -> None:
+def test_a_named_engine_that_cannot_serve_the_arrays_is_refused_before_anything_is_mapped(
+    engine: str, device: str, match: str, made_regions: MadeRegions
+) -> None:
+    """A hostile trial: these were refused only at entry, after the region was mapped
+    (and a stale shared region of the name reclaimed)."""
+    layout = KVLayout.from_tensors([torch.zeros(4, 64, device=device)])
+    with pytest.raises(ConfigError, match=match):
+        OffloadManager.for_kv(layout, 4, engine=engine)
+    assert made_regions.made == []
+
+
+async def test_an_engine_that_cannot_serve_is_refused_on_entry() -> None:
     backend = FakeBackend()
-    mgr = OffloadManager.for_kv(_layout(), 4, backend=backend, engine=engine)
-    with anyio.fail_after(TIMEOUT_S), pytest.raises(ConfigError, match=match):
+    mgr = OffloadManager.for_kv(_layout(), 4, backend=backend, engine=lambda setup: object())
+    with anyio.fail_after(TIMEOUT_S), pytest.raises(ConfigError, match="not a TransferEngine"):
         await mgr.__aenter__()
     assert backend.calls == []  # nothing was pinned; the region was released (no_leaks)
 

@@ -153,15 +153,6 @@ async def test_what_the_construction_raises_the_entry_raises(
     assert _released(made_regions, backend)
 
 
-async def test_a_named_engine_that_cannot_serve_the_arrays(made_regions: MadeRegions) -> None:
-    backend = FakeBackend()
-    mgr = OffloadManager.for_kv(_layout(), 8, backend=backend, engine="cuda", chunk_bytes=8192)
-    with anyio.fail_after(TIMEOUT_S), pytest.raises(ConfigError, match="needs KV arrays on a GPU"):
-        async with mgr:
-            pytest.fail("entered")
-    assert _released(made_regions, backend)
-
-
 async def test_a_cancelled_entry_waits_and_closes_the_engine_made(
     made_regions: MadeRegions,
 ) -> None:

@@ -52,6 +52,11 @@ def engine_factory(engine: str | EngineFactory, layout: KVLayout) -> EngineFacto
         if not engine:
             raise ConfigError(f"KV arrays on {layout.device} are not supported")
     if engine == "host":
+        if device != "cpu":
+            raise ConfigError(
+                "the host engine copies between CPU tensors; these KV arrays are on "
+                f"{layout.device}"
+            )
         from asyncpin.engines.host import HostTransferEngine
 
         return HostTransferEngine
