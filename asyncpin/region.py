@@ -8,6 +8,7 @@ by :meth:`HostRegion.prefault`.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import errno
 import operator
@@ -71,6 +72,26 @@ MAX_NBYTES = 1 << 56
 # to come back (next_prefault_piece), and the most it grows to.
 PREFAULT_PIECE_BYTES = HUGE_PAGE
 PREFAULT_MAX_PIECE_BYTES = 4 * HUGE_PAGE
+
+# The shared files this process created and has not unlinked yet: (name, file id) by the
+# creating process. Unlinked at the interpreter's exit where a close never ran to its end
+# (a second Ctrl-C under asyncio.run cancels the close task itself): a file left behind
+# holds its memory until a new creator of the name reclaims it. Unlinking a name frees
+# nothing that is mapped: attached processes keep their mappings.
+_LINKED: dict[tuple[int, int], tuple[str, int]] = {}
+_LINKED_LOCK = threading.Lock()
+
+
+@atexit.register
+def _unlink_left_behind() -> None:
+    with _LINKED_LOCK:
+        left = [(k, v) for k, v in _LINKED.items() if v[1] == os.getpid()]
+        _LINKED.clear()
+    for file, (name, _) in left:
+        try:
+            unlink_if_same(name, file)
+        except Exception:  # the interpreter is exiting: nothing to report to
+            continue
 
 
 def next_prefault_piece(piece: int, wall_s: float, cpu_s: float, limit: int) -> int:
@@ -214,6 +235,9 @@ class HostRegion:
         self._file_id = file_id(os.fstat(fd)) if fd >= 0 else None
         self._owner = owner
         self._pid = os.getpid()
+        if owner and name is not None and self._file_id is not None:
+            with _LINKED_LOCK:
+                _LINKED[self._file_id] = (name, self._pid)
         self._closed = False
         self._mapping: Mapping | None = Mapping(address, nbytes)
         self._mapping_ref = weakref.ref(self._mapping)
@@ -456,6 +480,9 @@ class HostRegion:
         try:
             if self._owner and self.name is not None:
                 unlink_if_same(self.name, self._file_id)
+                if self._file_id is not None:
+                    with _LINKED_LOCK:
+                        _LINKED.pop(self._file_id, None)
         finally:
             if self._fd >= 0:
                 os.close(self._fd)

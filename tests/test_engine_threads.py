@@ -6,7 +6,6 @@ and an engine whose ``close()`` raises still leaves nothing pinned or mapped."""
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from typing import ClassVar
 
@@ -143,12 +142,12 @@ class FailingClose(HostTransferEngine):
         raise RuntimeError("the engine's close failed")
 
 
-async def test_an_engine_whose_close_raises_is_still_unpinned_and_released() -> None:
+async def test_an_engine_whose_close_raises_is_still_unpinned_and_released(shm_name: str) -> None:
     """An engine's ``close()`` that raised ended the manager's close there: nothing was
     unpinned, unmapped or unlinked, though the manager said closed. The rest of the
     close runs (every transfer is over by then), and the failure is logged."""
     fake = FakeBackend()
-    name = f"asyncpin-test-{os.getpid()}-close"
+    name = shm_name
     mgr = OffloadManager.for_kv(
         layout_of(), BLOCKS, backend=fake, engine=FailingClose, backing="shared", name=name
     )

@@ -270,6 +270,41 @@ class TestCreatorKilled:
 # -- fork while mapped and pinned -----------------------------------------------------------
 
 
+LEFT_OPEN = """
+import os, sys
+import anyio
+from asyncpin import OffloadManager
+from asyncpin.testing import FakeBackend
+
+name, managers = sys.argv[1], []
+
+async def main() -> None:
+    manager = OffloadManager(1 << 20, backing="shared", name=name, backend=FakeBackend())
+    await manager.__aenter__()  # never closed: as when the close task itself is cancelled
+    await manager.pinned
+    managers.append(manager)
+
+anyio.run(main)
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a forked child's exit: the parent's file stays
+os.waitpid(pid, 0)
+print("after the forked child:", os.path.exists(f"/dev/shm/{name}"), flush=True)
+"""
+
+
+def test_a_shared_file_never_closed_is_unlinked_when_its_creator_exits(shm_name: str) -> None:
+    """A hostile trial: two Ctrl-C under asyncio.run cancel the manager's close task
+    itself, and the shared file stayed in /dev/shm, holding its memory, until a new
+    creator of the name reclaimed it. The creator's exit unlinks what it never closed
+    (not a forked child's exit)."""
+    with child("-c", LEFT_OPEN, shm_name) as proc:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 0, err
+    assert "after the forked child: True" in out, (out, err)
+    assert not (SHM_DIR / shm_name).exists()
+
+
 class TestForkWhilePinned:
     """A child forked from a pinned region inherits neither it nor its locks; the parent is fine."""
 
