@@ -8,6 +8,7 @@ that a machine with no GPU never initialises CUDA.
 
 from __future__ import annotations
 
+import errno
 import inspect
 import numbers
 
@@ -56,7 +57,16 @@ class HostBackend:
         try:
             _sys.libc_mlock(address, nbytes)
         except _sys.LibcError as exc:
-            raise BackendCallError("mlock", exc.errno or 0, exc.code_name, str(exc)) from exc
+            text = str(exc)
+            limit = _sys.memlock_limit_bytes()
+            if exc.errno == errno.ENOMEM and limit is not None and not _sys.has_cap_ipc_lock():
+                # The pre-flight passed; what else this process locked since took the room
+                # (another manager pinning at once, say).
+                text += (
+                    f": RLIMIT_MEMLOCK is {limit} bytes with {_sys.vm_locked_bytes()} locked "
+                    "by this process; raise it (`ulimit -l unlimited`) or grant CAP_IPC_LOCK"
+                )
+            raise BackendCallError("mlock", exc.errno or 0, exc.code_name, text) from exc
 
     def unpin(self, address: int, nbytes: int) -> None:
         try:

@@ -416,9 +416,15 @@ class PinScheduler:
         code_name = exc.code_name if isinstance(exc, BackendCallError) else None
         if code is None and isinstance(exc, OSError) and exc.errno is not None:
             code, code_name = exc.errno, errno.errorcode.get(exc.errno)
-        error = PinError(
-            chunk.index, chunk.offset, chunk.nbytes, code, code_name, f"{stage}: {exc}"
-        )
+        reason = f"{stage}: {exc}"
+        held = self.region.truncated_to() if stage == "pin" else None
+        if held is not None:  # mlock says ENOMEM of pages past the file's end
+            code, code_name = errno.EFAULT, "EFAULT"
+            reason = (
+                f"{stage}: /dev/shm/{self.region.name} was truncated to {held} bytes, short "
+                f"of the region's {self.region.nbytes} (by another process) ({exc})"
+            )
+        error = PinError(chunk.index, chunk.offset, chunk.nbytes, code, code_name, reason)
         error.__cause__ = exc
         self.table.fail(chunk.index, error)
         self.stop()

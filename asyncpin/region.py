@@ -435,6 +435,14 @@ class HostRegion:
             raise
         return True
 
+    def truncated_to(self) -> int | None:
+        """For a shared region whose file another process cut short of the region's
+        bytes, the file's size now; None otherwise (or where it cannot be told)."""
+        if self.backing != "shared" or self._closed:
+            return None
+        held = _file_size(self._fd)
+        return held if held is not None and held < self.nbytes else None
+
     def reserve(self, spans: list[tuple[int, int]]) -> None:
         """Give the ``(offset, nbytes)`` spans of a shared region their memory in /dev/shm
         now (``fallocate``), so that touching them cannot end the process with SIGBUS when

@@ -268,6 +268,27 @@ class TestPreflightSkippedWithCapability:
         assert "RLIMIT_MEMLOCK" in str(info.value)
         assert "ulimit -l" in str(info.value)
 
+    def test_an_mlock_past_the_limit_names_it(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A hostile trial: two managers that each passed the pre-flight at once, then
+        filled the limit together, failed with a bare 'mlock: Cannot allocate memory'."""
+
+        def mlock(address: int, nbytes: int) -> None:
+            raise _sys.LibcError("mlock", errno.ENOMEM)
+
+        monkeypatch.setattr(_sys, "libc_mlock", mlock)
+        monkeypatch.setattr(_sys, "memlock_limit_bytes", lambda: 8 * MIB)
+        monkeypatch.setattr(_sys, "has_cap_ipc_lock", lambda: False)
+        with pytest.raises(BackendCallError) as info:
+            HostBackend().pin(0, MIB)
+        assert info.value.code == errno.ENOMEM
+        assert f"RLIMIT_MEMLOCK is {8 * MIB} bytes" in str(info.value)
+        assert "ulimit -l" in str(info.value)
+        # With the capability, no limit binds: the error is the call's own.
+        monkeypatch.setattr(_sys, "has_cap_ipc_lock", lambda: True)
+        with pytest.raises(BackendCallError) as info:
+            HostBackend().pin(0, MIB)
+        assert "RLIMIT_MEMLOCK" not in str(info.value)
+
     async def test_manager_pins_past_a_small_limit_with_capability(
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:

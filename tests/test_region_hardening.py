@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import anyio
 import pytest
 import structlog
 import torch
@@ -456,6 +457,35 @@ class TestShmSpace:
             assert info.value.errno == errno.EFAULT
         finally:
             region.release()
+
+    def test_a_file_truncated_while_pinning_is_named_so(self, shm_name: str) -> None:
+        """A hostile trial: once the region is faulted in, the pin call (mlock) meets the
+        truncation and says ENOMEM, which named neither the truncation nor EFAULT."""
+        from asyncpin import HostBackend, PinError
+        from asyncpin.testing import FakeBackend
+
+        def truncate(n: int, address: int, nbytes: int) -> None:
+            if n == 1:  # the first chunk is pinned: another process cuts the file short
+                fd = os.open(SHM_DIR / shm_name, os.O_RDWR)
+                try:
+                    os.ftruncate(fd, MIB_2)
+                finally:
+                    os.close(fd)
+
+        backend = FakeBackend(inner=HostBackend(), before_pin=truncate)
+
+        async def run() -> PinError:
+            async with OffloadManager(
+                4 * MIB_2, backing="shared", name=shm_name, chunk_bytes=MIB_2, backend=backend
+            ) as mgr:
+                with pytest.raises(PinError) as info:
+                    await mgr.pinned
+            return info.value
+
+        error = anyio.run(run)
+        assert error.code == errno.EFAULT and error.code_name == "EFAULT", error
+        assert f"truncated to {MIB_2} bytes" in str(error), error
+        assert error.chunk_index == 1
 
 
 # -- names, sizes, unlinking ------------------------------------------------------------
