@@ -304,9 +304,9 @@ class TransferRouter:
         has it, else ``auto`` (an engine without it: the host engine, or a CUDA engine
         whose runtime cannot load the copy kernel; logged once a method), so that code
         naming a method runs on any machine. InvalidTransferError for a name that is no method."""
-        # A str first: ``in`` compares with ==, which an array or an odd object answers
-        # its own way.
-        if not isinstance(method, str) or method not in METHODS:
+        # A str's own text: ``in`` compares with ==, which an array, an odd object or a str
+        # subclass answers its own way.
+        if not isinstance(method, str) or (method := str.__str__(method)) not in METHODS:
             raise InvalidTransferError(f"method {shown(method)} is no method; use one of {METHODS}")
         if method == "auto" or method in self.engine.methods():
             return cast(Method, method)

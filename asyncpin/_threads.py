@@ -30,28 +30,27 @@ def call_soon(fn: Callable[[], None]) -> Callable[[], None]:
     return lambda: loop.run_sync_soon(fn)
 
 
-async def to_the_end(
-    fn: Callable[[], object], *, limiter: anyio.CapacityLimiter | None = None
-) -> None:
-    """``fn()`` in a worker thread (of its own, or one ``limiter`` lets run), once, and
-    return only when it has: an anyio cancellation is held back by a shield; a native
-    asyncio cancel (``Task.cancel()``), which ends a wait for a worker thread at once and
-    makes anyio skip a job not yet started, is absorbed while the wait goes on, and
-    raised after. What ``fn`` raises is raised."""
+async def to_the_end(fn: Callable[[], object]) -> None:
+    """``fn()`` in a worker thread of its own, once, and return only when it has: an
+    anyio cancellation is held back by a shield; a native asyncio cancel
+    (``Task.cancel()``), which ends a wait for a worker thread at once and makes anyio
+    skip a job not yet started, is absorbed while the wait goes on, and raised after
+    (what ``fn`` raised chained to it: a cancelled task ends cancelled). Else what
+    ``fn`` raises is raised."""
     once = Once(fn)
     cancelled: BaseException | None = None
     while not once.over.is_set():
         try:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(
-                    once, limiter=limiter if limiter is not None else anyio.CapacityLimiter(1)
-                )
+                await anyio.to_thread.run_sync(once, limiter=anyio.CapacityLimiter(1))
         except anyio.get_cancelled_exc_class() as exc:
             cancelled = exc
+    if cancelled is not None:
+        if once.error is not None:
+            raise cancelled from once.error
+        raise cancelled
     if once.error is not None:
         raise once.error
-    if cancelled is not None:
-        raise cancelled
 
 
 class Once:

@@ -54,17 +54,20 @@ class HostBackend:
             )
 
     def pin(self, address: int, nbytes: int) -> None:
+        limit = _sys.memlock_limit_bytes()
+        if limit is not None and _sys.has_cap_ipc_lock():
+            limit = None  # no limit binds
+        locked = _sys.vm_locked_bytes() if limit is not None else 0
         try:
             _sys.libc_mlock(address, nbytes)
         except _sys.LibcError as exc:
             text = str(exc)
-            limit = _sys.memlock_limit_bytes()
-            if exc.errno == errno.ENOMEM and limit is not None and not _sys.has_cap_ipc_lock():
+            if exc.errno == errno.ENOMEM and limit is not None and locked + nbytes > limit:
                 # The pre-flight passed; what else this process locked since took the room
                 # (another manager pinning at once, say).
                 text += (
-                    f": RLIMIT_MEMLOCK is {limit} bytes with {_sys.vm_locked_bytes()} locked "
-                    "by this process; raise it (`ulimit -l unlimited`) or grant CAP_IPC_LOCK"
+                    f": RLIMIT_MEMLOCK is {limit} bytes with {locked} locked by this process "
+                    "before this call; raise it (`ulimit -l unlimited`) or grant CAP_IPC_LOCK"
                 )
             raise BackendCallError("mlock", exc.errno or 0, exc.code_name, text) from exc
 

@@ -418,7 +418,8 @@ class PinScheduler:
             code, code_name = exc.errno, errno.errorcode.get(exc.errno)
         reason = f"{stage}: {exc}"
         held = self.region.truncated_to() if stage == "pin" else None
-        if held is not None:  # mlock says ENOMEM of pages past the file's end
+        if held is not None and held < chunk.offset + chunk.nbytes:
+            # mlock says ENOMEM of this chunk's pages past the file's end
             code, code_name = errno.EFAULT, "EFAULT"
             reason = (
                 f"{stage}: /dev/shm/{self.region.name} was truncated to {held} bytes, short "

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, SupportsIndex, cast
 
 import anyio
-import anyio.lowlevel
 import anyio.to_thread
 import structlog
 import torch
@@ -186,12 +185,12 @@ async def copy_in_thread(
     *,
     limiter: anyio.CapacityLimiter | None = None,
 ) -> None:
-    """Run ``copy(job)`` in a worker thread (``limiter``'s; by default anyio's default
-    pool), return once the copy is over (a
-    cancellation, asyncio's own ``Task.cancel()`` included, is raised after it: a later
-    copy to the same blocks must not be overtaken by this one), and finish the job: done,
-    or failed (the error through the handle, never lost); interrupted only if the copy
-    never ran to its end."""
+    """Run ``copy(job)`` in a worker thread once ``limiter`` (by default anyio's default
+    pool) gives it a slot, return once the copy is over, and finish the job: done, or
+    failed (the error through the handle, never lost). A cancellation while it waits for
+    its slot interrupts it; once the copy began, a cancellation (asyncio's own
+    ``Task.cancel()`` included) is raised after it: a later copy to the same blocks must
+    not be overtaken by this one."""
     copied: list[Exception | None] = []  # the copy's outcome, once it is over
 
     def run() -> None:
@@ -204,18 +203,24 @@ async def copy_in_thread(
         else:
             copied.append(None)
 
+    slots = limiter if limiter is not None else anyio.to_thread.current_default_thread_limiter()
+    slot = object()
     try:
-        await anyio.lowlevel.checkpoint_if_cancelled()  # a copy not begun is interrupted
-        await to_the_end(
-            run,
-            limiter=limiter
-            if limiter is not None
-            else anyio.to_thread.current_default_thread_limiter(),
-        )
+        await slots.acquire_on_behalf_of(slot)  # cancellable: a copy not begun
+    except BaseException as exc:
+        job.finish(interrupted(exc))
+        raise
+    try:
+        await to_the_end(run)  # a thread of its own, for the slot taken
+    except Exception as exc:  # no thread ran it (none could start, say)
+        job.finish(copied[0] if copied else exc)
     except BaseException as exc:
         job.finish(copied[0] if copied else interrupted(exc))
         raise
-    job.finish(copied[0])
+    else:
+        job.finish(copied[0])
+    finally:
+        slots.release_on_behalf_of(slot)
 
 
 def host_bytes_view(

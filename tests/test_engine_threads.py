@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import anyio
 import anyio.to_thread
@@ -160,3 +160,89 @@ async def test_an_engine_whose_close_raises_is_still_unpinned_and_released(shm_n
     assert mgr.stats().pinned_bytes == 0 and fake.unpinned_spans() == fake.pinned_spans()
     assert not is_mapped(address, nbytes)
     assert not await anyio.Path(f"/dev/shm/{name}").exists()
+
+
+class _Job:
+    """What ``copy_in_thread`` needs of a job: how it was finished."""
+
+    reserve = None
+
+    def __init__(self) -> None:
+        self.finished: list[BaseException | None] = []
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self.finished.append(error)
+
+
+@pytest.mark.parametrize("how", ["anyio", "native"])
+async def test_a_copy_cancelled_while_it_waits_for_a_thread_never_runs(
+    how: str, anyio_backend: str
+) -> None:
+    """A review: with the copy's limiter full (the CUDA engine's pageable copies use the
+    application's default pool), a cancellation before the copy began was held until a
+    slot freed, and the copy then ran. It is interrupted at once, the copy never run."""
+    if how == "native" and anyio_backend != "asyncio":
+        pytest.skip("Task.cancel() is asyncio's")
+    from asyncpin.transfers import TransferInterrupted, TransferJob, copy_in_thread
+
+    limiter, holder = anyio.CapacityLimiter(1), object()
+    await limiter.acquire_on_behalf_of(holder)  # every slot taken
+    copied: list[str] = []
+    job = _Job()
+
+    def copy(_: TransferJob) -> None:
+        copied.append("copied")
+
+    async def drive() -> None:
+        await copy_in_thread(cast(TransferJob, job), copy, limiter=limiter)
+
+    try:
+        with anyio.fail_after(TIMEOUT_S):
+            if how == "anyio":
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(drive)
+                    await anyio.wait_all_tasks_blocked()
+                    tg.cancel_scope.cancel()
+            else:
+                task = asyncio.ensure_future(drive())
+                await anyio.wait_all_tasks_blocked()
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+    finally:
+        limiter.release_on_behalf_of(holder)
+    assert copied == []
+    assert len(job.finished) == 1 and isinstance(job.finished[0], TransferInterrupted)
+    assert limiter.borrowed_tokens == 0
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_native_cancel_of_an_entry_whose_prepare_fails_ends_it_cancelled() -> None:
+    """A review: an entry cancelled by ``Task.cancel()`` while ``prepare()`` ran, which
+    then failed, ended with the engine's error, not cancelled: code catching that error
+    went on in a cancelled task. It ends cancelled, the error chained."""
+    engine = gated_engine()
+
+    class Failing(engine):  # type: ignore[valid-type,misc]
+        def prepare(self) -> None:
+            super().prepare()
+            raise RuntimeError("prepare failed")
+
+    mgr = OffloadManager.for_kv(layout_of(), BLOCKS, backend=FakeBackend(), engine=Failing)
+
+    async def enter() -> None:
+        async with mgr:
+            raise AssertionError("the entry fails")
+
+    with anyio.fail_after(TIMEOUT_S):
+        task = asyncio.ensure_future(enter())
+        await wait_thread_event(engine.started)
+        task.cancel()
+        try:
+            await anyio.wait_all_tasks_blocked()  # the cancel was delivered
+        finally:
+            engine.go.set()
+        with pytest.raises(asyncio.CancelledError) as info:
+            await task
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert mgr.stats().state == "closed"

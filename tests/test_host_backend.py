@@ -276,18 +276,22 @@ class TestPreflightSkippedWithCapability:
             raise _sys.LibcError("mlock", errno.ENOMEM)
 
         monkeypatch.setattr(_sys, "libc_mlock", mlock)
+        monkeypatch.setattr(_sys, "vm_locked_bytes", lambda: 7 * MIB)
         monkeypatch.setattr(_sys, "memlock_limit_bytes", lambda: 8 * MIB)
         monkeypatch.setattr(_sys, "has_cap_ipc_lock", lambda: False)
         with pytest.raises(BackendCallError) as info:
-            HostBackend().pin(0, MIB)
+            HostBackend().pin(0, 2 * MIB)
         assert info.value.code == errno.ENOMEM
-        assert f"RLIMIT_MEMLOCK is {8 * MIB} bytes" in str(info.value)
+        assert f"RLIMIT_MEMLOCK is {8 * MIB} bytes with {7 * MIB} locked" in str(info.value)
         assert "ulimit -l" in str(info.value)
-        # With the capability, no limit binds: the error is the call's own.
-        monkeypatch.setattr(_sys, "has_cap_ipc_lock", lambda: True)
-        with pytest.raises(BackendCallError) as info:
-            HostBackend().pin(0, MIB)
-        assert "RLIMIT_MEMLOCK" not in str(info.value)
+        # Where the limit leaves room for the call, or with the capability (no limit
+        # binds), the ENOMEM is not the limit's: the error is the call's own.
+        for locked, cap in ((5 * MIB, False), (7 * MIB, True)):
+            monkeypatch.setattr(_sys, "vm_locked_bytes", lambda n=locked: n)
+            monkeypatch.setattr(_sys, "has_cap_ipc_lock", lambda c=cap: c)
+            with pytest.raises(BackendCallError) as info:
+                HostBackend().pin(0, 2 * MIB)
+            assert "RLIMIT_MEMLOCK" not in str(info.value)
 
     async def test_manager_pins_past_a_small_limit_with_capability(
         self, monkeypatch: pytest.MonkeyPatch

@@ -64,6 +64,15 @@ def _quantized(values: list[float]) -> torch.Tensor:
         return torch.quantize_per_tensor(torch.tensor(values), 1.0, 0, torch.qint8)
 
 
+class _StrEqualsAll(str):
+    """A str that says it equals anything (a review: ``in`` asked it, not the str)."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    __hash__ = str.__hash__
+
+
 class _EqualsAll:
     """A method= that says it equals anything."""
 
@@ -183,6 +192,7 @@ class TestBadTransferInput:
             np.array(["auto", "host"]),
             np.array(["auto"]),
             _EqualsAll(),
+            _StrEqualsAll("no such method"),
         ],
         ids=repr,
     )
