@@ -92,13 +92,12 @@ def gated_engine() -> type[GatedPrepare]:
     return Engine
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_a_native_cancel_of_the_entry_closes_the_engine_after_its_prepare() -> None:
-    """``Task.cancel()`` of a KV manager's entry while its engine's ``prepare()`` runs:
-    the engine was closed and the region unmapped while ``prepare()`` still ran. The
-    entry now waits for ``prepare()`` to end, then closes the engine and releases."""
-    engine = gated_engine()
-    mgr = OffloadManager.for_kv(layout_of(), BLOCKS, backend=FakeBackend(), engine=engine)
+async def cancel_the_entry_in_prepare(
+    mgr: OffloadManager, engine: type[GatedPrepare]
+) -> tuple[list[str], BaseException]:
+    """Enter ``mgr`` in a task, ``Task.cancel()`` it once ``prepare()`` began, let
+    ``prepare()`` go once the cancel was delivered: the engine's calls by then, and the
+    CancelledError the entry ended with."""
 
     async def enter() -> None:
         async with mgr:
@@ -110,11 +109,23 @@ async def test_a_native_cancel_of_the_entry_closes_the_engine_after_its_prepare(
         task.cancel()
         try:
             await anyio.wait_all_tasks_blocked()  # the cancel was delivered
-            assert engine.calls == ["prepare"], engine.calls
+            calls = list(engine.calls)
         finally:
             engine.go.set()
-        with pytest.raises(asyncio.CancelledError):
+        with pytest.raises(asyncio.CancelledError) as info:
             await task
+    return calls, info.value
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_native_cancel_of_the_entry_closes_the_engine_after_its_prepare() -> None:
+    """``Task.cancel()`` of a KV manager's entry while its engine's ``prepare()`` runs:
+    the engine was closed and the region unmapped while ``prepare()`` still ran. The
+    entry now waits for ``prepare()`` to end, then closes the engine and releases."""
+    engine = gated_engine()
+    mgr = OffloadManager.for_kv(layout_of(), BLOCKS, backend=FakeBackend(), engine=engine)
+    calls_at_cancel, _ = await cancel_the_entry_in_prepare(mgr, engine)
+    assert calls_at_cancel == ["prepare"], calls_at_cancel
     assert engine.calls == ["prepare", "prepared, mapped: True", "close"], engine.calls
     assert mgr.stats().state == "closed" and mgr.stats().pinned_bytes == 0
 
@@ -229,20 +240,6 @@ async def test_a_native_cancel_of_an_entry_whose_prepare_fails_ends_it_cancelled
             raise RuntimeError("prepare failed")
 
     mgr = OffloadManager.for_kv(layout_of(), BLOCKS, backend=FakeBackend(), engine=Failing)
-
-    async def enter() -> None:
-        async with mgr:
-            raise AssertionError("the entry fails")
-
-    with anyio.fail_after(TIMEOUT_S):
-        task = asyncio.ensure_future(enter())
-        await wait_thread_event(engine.started)
-        task.cancel()
-        try:
-            await anyio.wait_all_tasks_blocked()  # the cancel was delivered
-        finally:
-            engine.go.set()
-        with pytest.raises(asyncio.CancelledError) as info:
-            await task
-    assert isinstance(info.value.__cause__, RuntimeError)
+    _, cancelled = await cancel_the_entry_in_prepare(mgr, engine)
+    assert isinstance(cancelled.__cause__, RuntimeError)
     assert mgr.stats().state == "closed"
